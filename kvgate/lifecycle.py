@@ -120,10 +120,10 @@ def close_session(
 ) -> CloseResult:
     """Synchronous :func:`aclose_session` (runs its own event loop; callable from any thread
     without a running loop, and from inside one via a helper thread)."""
-    urls = list(urls)
-    coro_args = dict(timeout_s=timeout_s, concurrency=concurrency)
     _check_session_id(session_id)
     _check_knobs(timeout_s, concurrency)
+    urls = dedupe_urls(urls)  # ValueError on a malformed URL, before any request
+    coro_args = dict(timeout_s=timeout_s, concurrency=concurrency)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -138,5 +138,4 @@ def close_session(
         try:
             return fut.result(timeout=timeout_s * batches + 5.0)
         except Exception as e:  # noqa: BLE001 - count, never raise
-            n = len(set(urls))
-            return CloseResult(n, n, (f"close fan-out failed: {type(e).__name__}: {e}",))
+            return CloseResult(len(urls), len(urls), (f"close fan-out failed: {type(e).__name__}: {e}",))

@@ -1,0 +1,108 @@
+"""Session KV lifecycle: session ids on /generate and the /close_session fan-out."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+
+from kvgate.lifecycle import CloseResult, aclose_session, close_session, with_session_id
+from test_poller_support import FakeHTTP, Reply, free_port, hang, html
+
+
+def test_with_session_id_copies():
+    p = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8}}
+    q = with_session_id(p, "s-1")
+    assert q == {**p, "session_id": "s-1"} and "session_id" not in p
+    assert with_session_id(q, "s-1") == q  # same id again is fine
+    with pytest.raises(ValueError):
+        with_session_id(q, "s-2")
+    for bad in ("", None, 5):
+        with pytest.raises(ValueError):
+            with_session_id(p, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        with_session_id([1], "s")  # type: ignore[arg-type]
+
+
+class CloseEngine(FakeHTTP):
+    """An engine that records which sessions it was asked to close."""
+
+    def __init__(self, reply: Reply | None = None):
+        super().__init__()
+        self.closed: list[str] = []
+        self.lock = threading.Lock()
+
+        def on_close(body: bytes) -> Reply:
+            with self.lock:
+                self.closed.append(json.loads(body)["session_id"])
+            return reply or Reply(200, b"", "text/plain")
+
+        self.route("POST", "/close_session", on_close)
+
+
+@pytest.fixture
+def engines():
+    es = [CloseEngine().start() for _ in range(3)]
+    yield es
+    for e in es:
+        e.stop()
+
+
+def test_close_fans_out_to_every_engine(engines):
+    urls = [e.url for e in engines] + [engines[0].url + "/"]  # duplicate collapses
+    res = asyncio.run(aclose_session(urls, "sess-7"))
+    assert res == CloseResult(3, 0, ())
+    assert res.ok
+    assert [e.closed for e in engines] == [["sess-7"]] * 3
+
+
+def test_close_counts_failures_never_raises(engines):
+    dead = f"http://127.0.0.1:{free_port()}"
+    engines[1].route("POST", "/close_session", html(500))
+    res = close_session([engines[0].url, engines[1].url, dead, engines[2].url], "s", timeout_s=1.0)
+    assert res.attempts == 4 and res.failures == 2 and not res.ok
+    assert any("500" in e for e in res.errors)
+    assert any(dead in e for e in res.errors)
+    assert engines[0].closed == ["s"] and engines[2].closed == ["s"]
+
+
+def test_close_hanging_engine_is_bounded(engines):
+    engines[0].route("POST", "/close_session", hang(30))
+    res = close_session([e.url for e in engines], "s", timeout_s=0.3, concurrency=1)
+    assert (res.attempts, res.failures) == (3, 1)
+    assert "timed out" in res.errors[0]
+
+
+def test_close_with_caller_client_and_no_urls(engines):
+    async def go():
+        async with httpx.AsyncClient(trust_env=False) as c:
+            r1 = await aclose_session([engines[2].url], "a", client=c)
+            r2 = await aclose_session([], "b", client=c)
+            return r1, r2
+
+    r1, r2 = asyncio.run(go())
+    assert (r1.attempts, r1.failures) == (1, 0) and (r2.attempts, r2.failures) == (0, 0)
+
+
+def test_sync_close_inside_running_loop(engines):
+    async def go():
+        return close_session([e.url for e in engines], "in-loop")
+
+    res = asyncio.run(go())
+    assert (res.attempts, res.failures) == (3, 0)
+
+
+@pytest.mark.parametrize("kw", [
+    {"session_id": ""}, {"timeout_s": 0}, {"concurrency": 0}, {"urls": ["no-scheme:1"]},
+])
+def test_bad_arguments_before_any_request(engines, kw):
+    args = {"urls": [engines[0].url], "session_id": "s", **kw}
+    urls = args.pop("urls")
+    sid = args.pop("session_id")
+    with pytest.raises(ValueError):
+        close_session(urls, sid, **args)
+    with pytest.raises(ValueError):
+        asyncio.run(aclose_session(urls, sid, **args))
+    assert engines[0].closed == []
