@@ -1,0 +1,179 @@
+"""Small real CPU vLLM engines for tests and benchmarks (dummy weights, token-id prompts).
+
+Used by tests/test_vllm*.py, benchmarks/probe_latency.py and benchmarks/fit_cpu_vllm.py.  Nothing here is
+needed in production.  Every server is started as a child process and stopped by pid; every wait is bounded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "head_dim": 64}
+HEAVY = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 8, "head_dim": 64}
+VOCAB = 1000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_model(directory: str | None = None, heavy: bool = False, max_position: int = 4096) -> str:
+    """Write a LlamaForCausalLM config.json (no weights: load with load_format="dummy")."""
+    d = directory or tempfile.mkdtemp(prefix="kvgate-vllm-model-")
+    shape = HEAVY if heavy else TINY
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
+        "max_position_embeddings": max_position, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "bos_token_id": 1, "eos_token_id": 2, **shape,
+    }
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+def kv_bytes_per_block(heavy: bool = False, block_size: int = 32, dtype_bytes: int = 2) -> int:
+    s = HEAVY if heavy else TINY
+    return 2 * s["num_hidden_layers"] * block_size * s["num_key_value_heads"] * s["head_dim"] * dtype_bytes
+
+
+def engine_kwargs(model_dir: str, num_blocks: int = 80, block_size: int = 32, max_model_len: int = 2048,
+                  heavy: bool = False) -> dict:
+    """Keyword arguments for vllm.LLM / AsyncEngineArgs giving a tiny prefix cache that really evicts."""
+    return dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=True,
+                block_size=block_size, max_model_len=max_model_len, num_gpu_blocks_override=num_blocks,
+                kv_cache_memory_bytes=max(64 << 20, 2 * num_blocks * kv_bytes_per_block(heavy, block_size)),
+                dtype="bfloat16", seed=0)
+
+
+@dataclass
+class VllmServer:
+    """One `python -m vllm.entrypoints.openai.api_server` child process."""
+
+    port: int
+    proc: subprocess.Popen
+    log_path: str
+    model_dir: str
+    num_blocks: int
+    block_size: int
+    extra: list = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group (it spawns EngineCore), SIGKILL after 20 s."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=10)
+        else:
+            try:  # children may outlive a crashed parent
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def start_server(model_dir: str | None = None, *, heavy: bool = False, num_blocks: int = 80,
+                 block_size: int = 32, max_model_len: int = 2048, plugins: str | None = "kvgate",
+                 extra_args: tuple = (), python: str | None = None, wait_s: float = 180.0,
+                 cwd: str = "/tmp", env: dict | None = None) -> VllmServer:
+    """Start a real CPU vLLM OpenAI server on a free loopback port and wait (bounded) until it serves."""
+    model_dir = model_dir or write_model(heavy=heavy)
+    port = free_port()
+    kv_bytes = max(64 << 20, 2 * num_blocks * kv_bytes_per_block(heavy, block_size))
+    args = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model_dir, "--served-model-name", "tiny", "--load-format", "dummy",
+            "--skip-tokenizer-init", "--enable-prefix-caching", "--block-size", str(block_size),
+            "--max-model-len", str(max_model_len), "--num-gpu-blocks-override", str(num_blocks),
+            "--kv-cache-memory-bytes", str(kv_bytes), "--dtype", "bfloat16", "--seed", "0",
+            "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port),
+            "--disable-uvicorn-access-log", *extra_args]
+    e = dict(os.environ)
+    e.setdefault("PYTHONHASHSEED", "0")
+    e.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if plugins is None:
+        e.pop("VLLM_PLUGINS", None)
+    else:
+        e["VLLM_PLUGINS"] = plugins
+    e.update(env or {})
+    log_path = tempfile.mktemp(prefix="kvgate-vllm-server-", suffix=".log")
+    log = open(log_path, "w")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=e,
+                            start_new_session=True)
+    log.close()
+    srv = VllmServer(port, proc, log_path, model_dir, num_blocks, block_size, list(extra_args))
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({proc.returncode}):\n{srv.log_tail()}")
+            try:
+                if httpx.get(srv.url + "/health", timeout=1.0).status_code == 200:
+                    return srv
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM server not healthy after {wait_s}s:\n{srv.log_tail()}")
+            time.sleep(0.5)
+    except BaseException:
+        srv.stop()
+        raise
+
+
+def complete(url: str, prompt_ids: list[int], max_tokens: int = 8, timeout: float = 120.0,
+             client: httpx.Client | None = None) -> dict:
+    """One greedy /v1/completions call with a token-id prompt; returns the JSON answer."""
+    body = {"model": "tiny", "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True}
+    c = client or httpx
+    r = c.post(url + "/v1/completions", json=body, timeout=timeout)
+    r.raise_for_status()
+    return r.json()
+
+
+def cached_tokens_of(answer: dict) -> int:
+    details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def metric_value(metrics_text: str, name: str) -> float:
+    """Sum of the samples of one metric in a Prometheus text (enough for single-engine counters)."""
+    total, seen = 0.0, False
+    for line in metrics_text.splitlines():
+        if line.startswith(name) and (line[len(name):len(name) + 1] in ("{", " ")):
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    if not seen:
+        raise KeyError(name)
+    return total
