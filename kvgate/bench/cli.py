@@ -1,0 +1,425 @@
+"""``kvgate bench``: run one seeded agentic workload through several policies, side by side.
+
+``add_arguments(parser)`` and ``run(args) -> int`` are called by ``kvgate/cli.py``;
+``python -m kvgate.bench`` calls :func:`main`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, AsyncIterator, Sequence
+
+from .engines import EngineClient, make_client
+from .report import checks, render_table, summarize, write_json, write_plots
+from .runner import EngineEnv, Policy, parse_policies, run_policy
+from .workload import ToolLatency, Workload, WorkloadSpec, generate, load_trace, parse_range
+
+__all__ = ["add_arguments", "run", "main", "SCENARIOS", "build_parser"]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Defaults of a named scenario; every value can be overridden by a flag."""
+
+    description: str
+    profile: str
+    sessions: int
+    turns: str
+    first_prompt: str
+    tool_result: str
+    output: str
+    time_scale: float
+    engines: int = 1
+    kv_capacity: int | None = None  # override the profile's pool (tokens)
+    arrival_spread_s: float = 0.0
+    tool: ToolLatency = ToolLatency()
+
+
+SCENARIOS: dict[str, Scenario] = {
+    # Working set several times the pool: the regime kvgate exists for.
+    "default": Scenario(
+        description="KV pressure: the sessions' final contexts add up to several times the KV pool",
+        profile="gpu-h100-30b", sessions=48, turns="16-32", first_prompt="1500-2500",
+        tool_result="100-400", output="30-120", time_scale=0.02),
+    # Same sessions' shape, few enough that everything stays resident.
+    "no-pressure": Scenario(
+        description="no KV pressure: every session's context fits in the pool at once",
+        profile="gpu-h100-30b", sessions=6, turns="16-32", first_prompt="1500-2500",
+        tool_result="100-400", output="30-120", time_scale=0.02),
+    # The shapes of the real CPU vLLM measurements (ENGINES.md), on the fitted profiles.
+    "cpu-tiny": Scenario(
+        description="12 sessions x 12 turns on an 80-block (2,560-token) cache, tiny CPU model profile",
+        profile="cpu-vllm-tiny", sessions=12, turns="12", first_prompt="300-400", tool_result="40-80",
+        output="20-40", time_scale=1.0,
+        tool=ToolLatency(fast_median_s=0.2, slow_median_s=1.5, slow_frac=0.1, sigma=0.6, max_s=10.0)),
+    "cpu-heavy": Scenario(
+        description="12 sessions x 12 turns on an 80-block (2,560-token) cache, heavier CPU model profile",
+        profile="cpu-vllm-heavy", sessions=12, turns="12", first_prompt="300-400", tool_result="40-80",
+        output="20-40", time_scale=1.0,
+        tool=ToolLatency(fast_median_s=0.2, slow_median_s=1.5, slow_frac=0.1, sigma=0.6, max_s=10.0)),
+}
+
+
+def _knob_hooks():
+    """``kvgate.cli.add_knob_arguments`` / ``config_from_args`` when the main CLI has them."""
+    try:
+        from kvgate import cli as main_cli
+    except Exception:
+        return None, None
+    return getattr(main_cli, "add_knob_arguments", None), getattr(main_cli, "config_from_args", None)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sc = p.add_argument_group("scenario and workload")
+    sc.add_argument("--scenario", choices=sorted(SCENARIOS), default="default",
+                    help="named defaults for the workload and engines (default: %(default)s)")
+    sc.add_argument("--list-scenarios", action="store_true", help="print the scenarios and exit")
+    sc.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    sc.add_argument("--sessions", type=int, help="number of sessions")
+    sc.add_argument("--turns", help="turns per session: N or LO-HI (uniform)")
+    sc.add_argument("--first-prompt", help="first prompt tokens: N or LO-HI")
+    sc.add_argument("--tool-result", help="tool result tokens appended per turn: N or LO-HI")
+    sc.add_argument("--output", help="output tokens per turn (max_new_tokens): N or LO-HI")
+    sc.add_argument("--tool-fast-median", type=float, help="median of fast tool calls, s")
+    sc.add_argument("--tool-slow-median", type=float, help="median of slow tool calls, s")
+    sc.add_argument("--tool-slow-frac", type=float, help="fraction of slow tool calls")
+    sc.add_argument("--tool-sigma", type=float, help="log-space spread of tool latency")
+    sc.add_argument("--tool-max", type=float, help="tool timeout: latency cap, s")
+    sc.add_argument("--arrival-spread", type=float, help="sessions arrive uniformly over this many s")
+    sc.add_argument("--trace", help="replay a JSONL trace instead of generating sessions")
+    sc.add_argument("--time-scale", type=float,
+                    help="multiply every duration (tool latency, engine cost, gate time knobs) by this")
+    sc.add_argument("--no-scale-knobs", action="store_true",
+                    help="do not scale the gate's time knobs with --time-scale")
+
+    pol = p.add_argument_group("policies")
+    pol.add_argument("--policies", default="none,cap,admission,residency,kvgate",
+                     help="comma list of none, cap (sweep --caps), cap-N, turncap-N, admission, residency, "
+                          "kvgate (default: %(default)s)")
+    pol.add_argument("--caps", help="caps to sweep for 'cap', e.g. 4,8,16 (default: derived from the pool: "
+                                    "half, one and two times the sessions whose final context fits)")
+
+    eng = p.add_argument_group("engines")
+    eng.add_argument("--profile", help="simulator profile name or JSON path")
+    eng.add_argument("--sim-engines", type=int, help="simulated engines behind the router")
+    eng.add_argument("--kv-capacity", type=int, help="override the profile's KV pool per engine (tokens)")
+    eng.add_argument("--engine", nargs="+", metavar="URL",
+                     help="real engine base URLs instead of the simulator")
+    eng.add_argument("--engine-kind", choices=("vllm", "sglang"), default="vllm",
+                     help="API of --engine URLs (default: %(default)s)")
+    eng.add_argument("--router", help="SGLang router URL to send turns through (with --engine-kind sglang)")
+    eng.add_argument("--model", help="model name for vLLM (default: the server's first model)")
+
+    out = p.add_argument_group("redis and output")
+    out.add_argument("--redis", help="Redis URL (default: a private embedded redis-server, else fakeredis)")
+    out.add_argument("--embedded-redis", choices=("auto", "redis-server", "fakeredis"), default="auto")
+    out.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
+    out.add_argument("--no-plots", action="store_true")
+    out.add_argument("--no-progress", action="store_true")
+    out.add_argument("--snapshot-interval", type=float, default=0.1,
+                     help="seconds between capacity snapshots (default: %(default)s)")
+
+    add_knobs, _ = _knob_hooks()
+    if add_knobs is not None:
+        try:
+            add_knobs(p)
+        except argparse.ArgumentError:
+            pass
+    p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
+                   help="set a GateConfig knob for the gate policies (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvgate bench", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return p
+
+
+def _coerce(v: str) -> Any:
+    low = v.lower()
+    if low in ("true", "on", "yes"):
+        return True
+    if low in ("false", "off", "no"):
+        return False
+    if low in ("none", "null"):
+        return None
+    for t in (int, float):
+        try:
+            return t(v)
+        except ValueError:
+            pass
+    return v
+
+
+def base_gate_config(args: argparse.Namespace) -> Any:
+    import kvgate
+
+    _, from_args = _knob_hooks()
+    cfg = None
+    if from_args is not None:
+        with contextlib.suppress(Exception):
+            cfg = from_args(args)
+    if cfg is None:
+        cfg = kvgate.GateConfig()
+    kw = {}
+    for item in args.knob:
+        name, sep, val = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--knob expects NAME=VALUE, got {item!r}")
+        kw[name.strip()] = _coerce(val.strip())
+    if kw:
+        try:
+            cfg = replace(cfg, **kw)
+        except TypeError as e:
+            raise ValueError(f"--knob: {e}") from None
+    return cfg
+
+
+def build_workload(args: argparse.Namespace, sc: Scenario) -> Workload:
+    if args.trace:
+        return load_trace(args.trace, seed=args.seed)
+    tool = ToolLatency(
+        fast_median_s=args.tool_fast_median if args.tool_fast_median is not None else sc.tool.fast_median_s,
+        slow_median_s=args.tool_slow_median if args.tool_slow_median is not None else sc.tool.slow_median_s,
+        slow_frac=args.tool_slow_frac if args.tool_slow_frac is not None else sc.tool.slow_frac,
+        sigma=args.tool_sigma if args.tool_sigma is not None else sc.tool.sigma,
+        max_s=args.tool_max if args.tool_max is not None else sc.tool.max_s)
+    spec = WorkloadSpec(
+        sessions=args.sessions if args.sessions is not None else sc.sessions,
+        turns=parse_range(args.turns or sc.turns, name="--turns", minimum=1),
+        first_prompt=parse_range(args.first_prompt or sc.first_prompt, name="--first-prompt", minimum=1),
+        tool_result=parse_range(args.tool_result or sc.tool_result, name="--tool-result"),
+        output=parse_range(args.output or sc.output, name="--output", minimum=1),
+        tool=tool,
+        arrival_spread_s=args.arrival_spread if args.arrival_spread is not None else sc.arrival_spread_s)
+    return generate(spec, seed=args.seed)
+
+
+class SimEnv(EngineEnv):
+    """A fresh simulated SGLang cluster (engines + router on loopback) per policy."""
+
+    def __init__(self, profile: str, engines: int, time_scale: float, kv_capacity: int | None) -> None:
+        from kvgate.sim import load_profile
+
+        overrides = {"kv_capacity_tokens": kv_capacity} if kv_capacity else {}
+        self.profile = load_profile(profile, **overrides)
+        self.engines = engines
+        self.time_scale = time_scale
+
+    def describe(self) -> dict:
+        return {"engine": "sglang-simulator", "profile": self.profile.name, "engines": self.engines,
+                "kv_capacity_tokens": self.profile.kv_capacity_tokens,
+                "pool_tokens": self.profile.kv_capacity_tokens * self.engines,
+                "time_scale": self.time_scale, "profile_source": self.profile.source}
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.profile.kv_capacity_tokens * self.engines
+
+    @contextlib.asynccontextmanager
+    async def fresh(self) -> AsyncIterator[EngineClient]:
+        from kvgate.sim import SimCluster
+
+        cluster = SimCluster(profile=self.profile, engines=self.engines, time_scale=self.time_scale)
+        await _maybe_async(cluster.start())
+        client = make_client("sglang", [cluster.router_url], cluster.engine_urls)
+        try:
+            yield client
+        finally:
+            await client.aclose()
+            await _maybe_async(cluster.stop())
+
+
+class RealEnv(EngineEnv):
+    """Real engines: prefix caches reset between policies (vLLM needs VLLM_SERVER_DEV_MODE=1)."""
+
+    def __init__(self, kind: str, urls: Sequence[str], router: str | None, model: str | None) -> None:
+        self.kind, self.urls, self.router, self.model = kind, list(urls), router, model
+        self.pool_tokens: int | None = None
+        self.reset_ok: list[bool] = []
+
+    def describe(self) -> dict:
+        return {"engine": self.kind, "urls": self.urls, "router": self.router,
+                "pool_tokens": self.pool_tokens, "prefix_cache_reset": self.reset_ok}
+
+    def _client(self) -> EngineClient:
+        gen = [self.router] if self.router else self.urls
+        kw = {"model": self.model} if self.kind == "vllm" else {}
+        return make_client(self.kind, gen, self.urls, **kw)
+
+    async def probe_pool(self) -> int | None:
+        c = self._client()
+        try:
+            us = await c.usage()
+        finally:
+            await c.aclose()
+        caps = [u["capacity_tokens"] for u in us if u["healthy"]]
+        self.pool_tokens = sum(caps) if caps else None
+        return self.pool_tokens
+
+    @contextlib.asynccontextmanager
+    async def fresh(self) -> AsyncIterator[EngineClient]:
+        client = self._client()
+        # Wait (bounded) until the engines are idle, then reset their prefix caches.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            us = await client.usage()
+            if all((u["usage"] or 0.0) == 0.0 for u in us):
+                break
+            await asyncio.sleep(0.5)
+        self.reset_ok.append(await client.reset_prefix_cache())
+        try:
+            yield client
+        finally:
+            await client.aclose()
+
+
+async def _maybe_async(x: Any) -> Any:
+    import inspect
+
+    return await x if inspect.isawaitable(x) else x
+
+
+def default_caps(workload: Workload, pool_tokens: int | None) -> list[int]:
+    """Half, one and two times the number of sessions whose final contexts fit in the pool."""
+    n = len(workload.sessions)
+    if not pool_tokens:
+        return sorted({max(1, n // 8), max(1, n // 4), max(1, n // 2)})
+    mean_final = workload.working_set_tokens() / max(1, n)
+    fit = max(1, int(pool_tokens / max(1.0, mean_final)))
+    caps = sorted({max(1, min(n, c)) for c in (fit // 2, fit, 2 * fit)})
+    return caps
+
+
+def _parse_caps(text: str) -> list[int]:
+    try:
+        caps = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--caps expects integers separated by commas, got {text!r}") from None
+    if not caps or any(c < 1 for c in caps):
+        raise ValueError(f"--caps needs integers >= 1, got {text!r}")
+    return sorted(set(caps))
+
+
+async def _run_all(args: argparse.Namespace, sc: Scenario, workload: Workload, env: EngineEnv,
+                   policies: list[Policy], redis_url: str, base_cfg: Any, time_scale: float,
+                   console: Any) -> list:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    results = []
+    total = workload.num_turns
+    progress = Progress(TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("turns"), TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
+                        console=console, disable=args.no_progress, transient=False)
+    with progress:
+        tasks = {p.name: progress.add_task(p.name, total=total, info="", start=False) for p in policies}
+        for p in policies:
+            tid = tasks[p.name]
+            progress.start_task(tid)
+
+            def on_turn(rec, tid=tid):
+                progress.advance(tid)
+
+            async with env.fresh() as client:
+                res = await run_policy(p, workload, client, time_scale=time_scale, redis_url=redis_url,
+                                       base_cfg=base_cfg, scale_knobs=not args.no_scale_knobs,
+                                       snapshot_interval_s=args.snapshot_interval, on_turn=on_turn)
+            hr = res.counters.hit_rate
+            progress.update(tid, info=f"{res.wall_s:.2f}s  hit {hr:.3f}" if hr is not None else f"{res.wall_s:.2f}s")
+            progress.stop_task(tid)
+            results.append(res)
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console(stderr=False)
+    if getattr(args, "list_scenarios", False):
+        for name, sc in SCENARIOS.items():
+            console.print(f"[bold]{name}[/]: {sc.description} (profile {sc.profile}, {sc.sessions} sessions, "
+                          f"turns {sc.turns}, time scale {sc.time_scale})")
+        return 0
+    try:
+        sc = SCENARIOS[args.scenario]
+        time_scale = args.time_scale if args.time_scale is not None else (1.0 if args.engine else sc.time_scale)
+        if not (math.isfinite(time_scale) and time_scale > 0):
+            raise ValueError(f"--time-scale must be > 0, got {time_scale}")
+        if args.snapshot_interval <= 0:
+            raise ValueError("--snapshot-interval must be > 0")
+        workload = build_workload(args, sc)
+        if args.engine:
+            env: EngineEnv = RealEnv(args.engine_kind, args.engine, args.router, args.model)
+            make_client(args.engine_kind, args.engine, args.engine)  # validates the URLs
+            pool = asyncio.run(env.probe_pool())
+        else:
+            engines = args.sim_engines if args.sim_engines is not None else sc.engines
+            if engines < 1:
+                raise ValueError("--sim-engines must be >= 1")
+            env = SimEnv(args.profile or sc.profile, engines, time_scale,
+                         args.kv_capacity if args.kv_capacity is not None else sc.kv_capacity)
+            pool = env.pool_tokens
+        caps = _parse_caps(args.caps) if args.caps else default_caps(workload, pool)
+        policies = parse_policies(args.policies, caps)
+        base_cfg = base_gate_config(args) if any(p.kind == "gate" for p in policies) else None
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+
+    out_dir = Path(args.out)
+    wl = workload.describe()
+    console.print(f"[bold]kvgate bench[/] scenario [cyan]{args.scenario}[/]: {wl['sessions']} sessions, "
+                  f"{wl['turns']} turns, working set {wl['working_set_tokens']:,} tokens vs pool "
+                  f"{pool:,} tokens" if pool else "", highlight=False)
+    console.print(f"tool latency p50 {wl['tool_latency_p50_s']}s p90 {wl['tool_latency_p90_s']}s (unscaled), "
+                  f"time scale {time_scale}; policies: {', '.join(p.name for p in policies)}", highlight=False)
+
+    t_start = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        if any(p.kind == "gate" for p in policies):
+            if args.redis:
+                redis_url, redis_kind = args.redis, "external"
+            else:
+                from .redis_embed import embedded_redis
+
+                redis_url, redis_kind = stack.enter_context(embedded_redis(args.embedded_redis))
+        else:
+            redis_url, redis_kind = None, "unused"
+        results = asyncio.run(_run_all(args, sc, workload, env, policies, redis_url, base_cfg, time_scale,
+                                       console))
+    elapsed = time.monotonic() - t_start
+
+    summary = summarize(results, workload)
+    render_table(summary, console, scenario=args.scenario)
+    verdicts = checks(summary, "no-pressure" if args.scenario == "no-pressure" else "pressure") \
+        if not args.trace and not args.engine and args.scenario in ("default", "no-pressure") else []
+    for name, ok, detail in verdicts:
+        mark = "[green]PASS[/]" if ok else "[red]FAIL[/]"
+        console.print(f"{mark} {name}: {detail}", highlight=False)
+    extra = {"scenario": args.scenario, "time_scale": time_scale, "engines": env.describe(),
+             "redis": redis_kind, "elapsed_s": elapsed, "caps": caps,
+             "checks": [{"check": n, "passed": ok, "detail": d} for n, ok, d in verdicts],
+             "argv": sys.argv[1:]}
+    json_path = out_dir / "bench.json"
+    write_json(summary, json_path, extra)
+    paths = [json_path]
+    if not args.no_plots:
+        paths += write_plots(summary, out_dir)
+    console.print(f"total {elapsed:.1f}s; wrote {', '.join(str(p) for p in paths)}", highlight=False)
+    errors = sum(r.errors for r in results)
+    if errors:
+        console.print(f"[yellow]warning:[/] {errors} turn(s) failed; first: "
+                      f"{next(e for r in results for e in r.error_examples)}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))

@@ -1,0 +1,230 @@
+"""Engine clients for the benchmark: SGLang ``/generate`` and vLLM ``/v1/completions``.
+
+The bench talks to engines over HTTP only, the way a rollout worker would.  Both clients
+send token ids, ask for exactly ``max_new_tokens`` tokens (``ignore_eos``, temperature 0)
+and return the generated token ids, so the next turn's prompt extends what the engine
+cached.  Prefix-cache hit rates come from the engines' own Prometheus counters:
+
+* SGLang: ``sglang:cached_tokens_total`` / ``sglang:prompt_tokens_total``;
+* vLLM:   ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``.
+
+Series that differ only by a rank label (tp/pp/ep rank) repeat one engine's value and are
+aggregated by max; everything else (cache_source, dp rank, several engines) is summed.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["GenResult", "Counters", "EngineClient", "SGLangClient", "VLLMClient", "parse_counters",
+           "make_client"]
+
+_RANK_LABELS = {"tp_rank", "pp_rank", "moe_ep_rank", "ep_rank", "pid", "attn_tp_rank", "attn_dp_rank"}
+
+SGLANG_COUNTERS = {
+    "hits": ("sglang:cached_tokens_total",),
+    "queries": ("sglang:prompt_tokens_total",),
+    "preemptions": ("sglang:num_retracted_requests_total",),
+}
+VLLM_COUNTERS = {
+    "hits": ("vllm:prefix_cache_hits_total",),
+    "queries": ("vllm:prefix_cache_queries_total",),
+    "preemptions": ("vllm:num_preemptions_total",),
+}
+
+
+@dataclass
+class GenResult:
+    output_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int | None  # None when the engine does not say
+
+
+@dataclass
+class Counters:
+    """Cumulative engine counters (summed over engines); subtract two to get a window."""
+
+    hits: float = 0.0
+    queries: float = 0.0
+    preemptions: float = 0.0
+    ok: bool = True
+
+    def __sub__(self, other: "Counters") -> "Counters":
+        return Counters(self.hits - other.hits, self.queries - other.queries,
+                        self.preemptions - other.preemptions, self.ok and other.ok)
+
+    def __add__(self, other: "Counters") -> "Counters":
+        return Counters(self.hits + other.hits, self.queries + other.queries,
+                        self.preemptions + other.preemptions, self.ok and other.ok)
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.queries if self.queries > 0 else None
+
+
+def parse_counters(text: str, names: dict[str, tuple[str, ...]]) -> Counters:
+    """Read the counters ``names`` from Prometheus text (rank series by max, others summed)."""
+    groups: dict[str, dict[tuple, float]] = {k: {} for k in names}
+    wanted = {n: k for k, ns in names.items() for n in ns}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = wanted.get(s.name)
+            if key is None or not math.isfinite(s.value):
+                continue
+            lab = tuple(sorted((k, v) for k, v in s.labels.items() if k not in _RANK_LABELS))
+            g = groups[key]
+            g[lab] = max(g.get(lab, float("-inf")), s.value)
+    vals = {k: sum(g.values()) for k, g in groups.items()}
+    return Counters(hits=vals.get("hits", 0.0), queries=vals.get("queries", 0.0),
+                    preemptions=vals.get("preemptions", 0.0))
+
+
+def _pick(urls: Sequence[str], session_id: str) -> str:
+    """Sticky placement by session hash when the bench itself has to choose an engine."""
+    if len(urls) == 1:
+        return urls[0]
+    h = int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=8).digest(), "little")
+    return urls[h % len(urls)]
+
+
+class EngineClient:
+    """Base: ``generate_urls`` receive turns (a router, or engines picked by session hash);
+    ``engine_urls`` are the engines themselves (metrics, probes, usage)."""
+
+    kind = "?"
+    counter_names: dict[str, tuple[str, ...]] = {}
+
+    def __init__(self, generate_urls: Sequence[str], engine_urls: Sequence[str], *,
+                 timeout_s: float = 600.0, max_connections: int = 512) -> None:
+        if not generate_urls or not engine_urls:
+            raise ValueError("need at least one engine URL")
+        for u in list(generate_urls) + list(engine_urls):
+            if not (u.startswith("http://") or u.startswith("https://")):
+                raise ValueError(f"engine URL must start with http:// or https://, got {u!r}")
+        self.generate_urls = [u.rstrip("/") for u in generate_urls]
+        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        self._timeout = httpx.Timeout(timeout_s, connect=10.0)
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, trust_env=False)
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def generate(self, session_id: str, prompt_ids: list[int], max_new_tokens: int) -> GenResult:
+        raise NotImplementedError
+
+    async def counters(self) -> Counters:
+        async def one(url: str) -> Counters:
+            try:
+                r = await self.http.get(url + "/metrics", timeout=10.0)
+                r.raise_for_status()
+                return parse_counters(r.text, self.counter_names)
+            except (httpx.HTTPError, ValueError):
+                return Counters(ok=False)
+
+        parts = await asyncio.gather(*(one(u) for u in self.engine_urls))
+        total = Counters()
+        for p in parts:
+            total = total + p
+        return total
+
+    async def usage(self) -> list[dict]:
+        """``GET /kvgate/usage`` of each engine (shared probe contract); errors -> healthy False."""
+        async def one(url: str) -> dict:
+            try:
+                r = await self.http.get(url + "/kvgate/usage", timeout=5.0)
+                r.raise_for_status()
+                d = r.json()
+                cap = int(d["num_gpu_blocks"]) * int(d["block_size"])
+                return {"url": url, "capacity_tokens": cap, "usage": float(d["usage"]), "healthy": cap > 0}
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return {"url": url, "capacity_tokens": 0, "usage": None, "healthy": False}
+
+        return list(await asyncio.gather(*(one(u) for u in self.engine_urls)))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Best effort ``POST /reset_prefix_cache`` on every engine (flush between policies)."""
+        ok = True
+        for u in self.engine_urls:
+            try:
+                r = await self.http.post(u + "/reset_prefix_cache", timeout=30.0)
+                ok = ok and r.status_code < 400
+            except httpx.HTTPError:
+                ok = False
+        return ok
+
+
+class SGLangClient(EngineClient):
+    kind = "sglang"
+    counter_names = SGLANG_COUNTERS
+
+    async def generate(self, session_id: str, prompt_ids: list[int], max_new_tokens: int) -> GenResult:
+        url = _pick(self.generate_urls, session_id)
+        body = {"input_ids": prompt_ids,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
+                                    "ignore_eos": True}}
+        r = await self.http.post(url + "/generate", json=body)
+        r.raise_for_status()
+        d = r.json()
+        if isinstance(d, list):
+            d = d[0]
+        meta = d.get("meta_info") or {}
+        out = d.get("output_ids") or []
+        cached = meta.get("cached_tokens")
+        return GenResult(output_ids=[int(x) for x in out], prompt_tokens=int(meta.get("prompt_tokens", len(prompt_ids))),
+                         cached_tokens=int(cached) if cached is not None else None)
+
+
+class VLLMClient(EngineClient):
+    kind = "vllm"
+    counter_names = VLLM_COUNTERS
+
+    def __init__(self, *a, model: str | None = None, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.model = model
+
+    async def _model(self) -> str:
+        if self.model is None:
+            r = await self.http.get(self.generate_urls[0] + "/v1/models", timeout=10.0)
+            r.raise_for_status()
+            self.model = r.json()["data"][0]["id"]
+        return self.model
+
+    async def generate(self, session_id: str, prompt_ids: list[int], max_new_tokens: int) -> GenResult:
+        url = _pick(self.generate_urls, session_id)
+        body = {"model": await self._model(), "prompt": prompt_ids, "max_tokens": max_new_tokens,
+                "min_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True,
+                "return_token_ids": True}
+        r = await self.http.post(url + "/v1/completions", json=body)
+        r.raise_for_status()
+        d = r.json()
+        ch = d["choices"][0]
+        out = ch.get("token_ids") or []
+        usage = d.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        return GenResult(output_ids=[int(x) for x in out],
+                         prompt_tokens=int(usage.get("prompt_tokens", len(prompt_ids))),
+                         cached_tokens=int(cached) if cached is not None else None)
+
+
+def make_client(kind: str, generate_urls: Sequence[str], engine_urls: Sequence[str], **kw) -> EngineClient:
+    if kind == "sglang":
+        return SGLangClient(generate_urls, engine_urls, **kw)
+    if kind == "vllm":
+        return VLLMClient(generate_urls, engine_urls, **kw)
+    raise ValueError(f"engine kind must be 'sglang' or 'vllm', got {kind!r}")

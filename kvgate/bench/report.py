@@ -1,0 +1,220 @@
+"""Summaries, the terminal table, the JSON file and the PNG plots of a bench run."""
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from .runner import PolicyResult
+from .workload import Workload
+
+__all__ = ["summarize", "render_table", "write_json", "write_plots", "checks"]
+
+
+def _pct(xs: Sequence[float], p: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * p
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(results: Sequence[PolicyResult], workload: Workload) -> dict:
+    """One dict per policy plus the comparisons (ratios to ``none``, best cap)."""
+    fresh = workload.fresh_tokens()
+    n_turns_sess = {s.session_id: len(s.turns) for s in workload.sessions}
+    rows = []
+    for r in results:
+        lat = [t.latency_s for t in r.turns]
+        late = [t.latency_s for t in r.turns
+                if t.turn >= math.ceil(2 * n_turns_sess.get(t.session, 1) / 3)]
+        by_idx: dict[int, list[float]] = defaultdict(list)
+        for t in r.turns:
+            by_idx[t.turn].append(t.latency_s)
+        client_prompt = sum(t.prompt_tokens for t in r.turns)
+        client_cached = [t.cached_tokens for t in r.turns if t.cached_tokens is not None]
+        if r.counters.ok and r.counters.queries > 0:
+            hit = r.counters.hits / r.counters.queries
+            uncached = r.counters.queries - r.counters.hits
+            hit_src = "engine /metrics"
+        elif client_cached and client_prompt:
+            hit = sum(client_cached) / client_prompt
+            uncached = client_prompt - sum(client_cached)
+            hit_src = "responses (cached_tokens)"
+        else:
+            hit, uncached, hit_src = None, None, "unavailable"
+        reasons = Counter(f"{t.outcome}/{t.reason}" if t.reason else (t.outcome or "-")
+                          for t in r.turns if t.outcome or t.reason)
+        waits = [t.waited_s for t in r.turns if t.waited_s > 0]
+        preempt = sum(v for k, v in r.step_metrics.items()
+                      if "preempt" in k and isinstance(v, (int, float)) and not isinstance(v, bool))
+        rows.append({
+            "policy": r.policy.name,
+            "kind": r.policy.kind,
+            "cap": r.policy.cap,
+            "wall_s": r.wall_s,
+            "turns_done": len(r.turns),
+            "errors": r.errors,
+            "error_examples": r.error_examples,
+            "hit_rate": hit,
+            "hit_rate_source": hit_src,
+            "hit_rate_responses": (sum(client_cached) / client_prompt) if client_cached and client_prompt else None,
+            "prompt_tokens": client_prompt,
+            "uncached_tokens": uncached,
+            "reprefill_tokens": max(0.0, uncached - fresh) if uncached is not None else None,
+            "latency_p50_s": _pct(lat, 0.5),
+            "latency_p99_s": _pct(lat, 0.99),
+            "late_latency_p50_s": _pct(late, 0.5),
+            "latency_by_turn_s": {str(i): sum(v) / len(v) for i, v in sorted(by_idx.items())},
+            "admissions": dict(sorted(reasons.items())),
+            "waits": len(waits),
+            "wait_mean_s": (sum(waits) / len(waits)) if waits else 0.0,
+            "gate_preemptions": preempt,
+            "engine_preemptions": r.counters.preemptions if r.counters.ok else None,
+            "hit_rate_over_time": _hit_series(r.samples),
+            "usage_over_time": [(round(t, 3), round(u, 4)) for t, u in r.usage_samples],
+            "step_metrics": r.step_metrics,
+            "gate": r.gate_config,
+        })
+    base = next((x for x in rows if x["policy"] == "none"), None)
+    for x in rows:
+        x["ratio_to_none"] = (x["wall_s"] / base["wall_s"]) if base and base["wall_s"] > 0 else None
+    caps = [x for x in rows if x["kind"] == "cap" and not x["errors"]]
+    best_cap = min(caps, key=lambda x: x["wall_s"]) if caps else None
+    for x in rows:
+        x["best_cap"] = bool(best_cap is not None and x is best_cap)
+    return {"workload": workload.describe(), "policies": rows,
+            "best_cap": best_cap["policy"] if best_cap else None}
+
+
+def _hit_series(samples: Sequence[tuple[float, float, float]]) -> list[tuple[float, float | None]]:
+    """Windowed hit rate between consecutive samples (None when nothing was prefilled)."""
+    out = []
+    ph = pq = 0.0
+    for t, h, q in samples:
+        dq = q - pq
+        out.append((round(t, 3), round((h - ph) / dq, 4) if dq > 0 else None))
+        ph, pq = h, q
+    return out
+
+
+def checks(summary: dict, scenario: str) -> list[tuple[str, bool | None, str]]:
+    """The issue-5 acceptance checks that apply to ``scenario`` (name, passed, detail)."""
+    rows = {x["policy"]: x for x in summary["policies"]}
+    gate, none = rows.get("kvgate"), rows.get("none")
+    out: list[tuple[str, bool | None, str]] = []
+    if gate is None or none is None:
+        return out
+    ratio = gate["ratio_to_none"]
+    if scenario == "no-pressure":
+        out.append(("kvgate costs <= 5% vs no gate", ratio is not None and ratio <= 1.05,
+                    f"ratio {ratio:.3f}" if ratio is not None else "n/a"))
+        return out
+    out.append(("kvgate wall-clock <= 0.6x no gate", ratio is not None and ratio <= 0.6,
+                f"ratio {ratio:.3f}" if ratio is not None else "n/a"))
+    bc = rows.get(summary.get("best_cap") or "")
+    if bc is not None:
+        out.append((f"kvgate beats the best fixed cap ({bc['policy']})", gate["wall_s"] < bc["wall_s"],
+                    f"{gate['wall_s']:.2f}s vs {bc['wall_s']:.2f}s"))
+    hr = gate["hit_rate"]
+    out.append(("kvgate prefix-cache hit rate >= 0.9", hr is not None and hr >= 0.9,
+                f"{hr:.3f}" if hr is not None else "n/a"))
+    return out
+
+
+def _f(x: Any, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _tok(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    if x >= 1e3:
+        return f"{x / 1e3:.0f}k"
+    return f"{x:.0f}"
+
+
+def render_table(summary: dict, console: Any = None, scenario: str = "") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    wl = summary["workload"]
+    title = (f"kvgate bench{(' — ' + scenario) if scenario else ''}: {wl['sessions']} sessions, "
+             f"{wl['turns']} turns, working set {_tok(wl['working_set_tokens'])} tokens")
+    t = Table(title=title, header_style="bold")
+    for col, just in (("policy", "left"), ("wall s", "right"), ("x none", "right"), ("hit rate", "right"),
+                      ("uncached", "right"), ("re-prefill", "right"), ("p50 s", "right"), ("p99 s", "right"),
+                      ("late p50 s", "right"), ("waits", "right"), ("preempt", "right"),
+                      ("admissions by reason", "left")):
+        t.add_column(col, justify=just)
+    for x in summary["policies"]:
+        name = x["policy"] + (" *" if x["best_cap"] else "")
+        if x["errors"]:
+            name += f" ({x['errors']} err)"
+        adm = ", ".join(f"{k} {v}" for k, v in x["admissions"].items()) or "-"
+        t.add_row(name, _f(x["wall_s"]), _f(x["ratio_to_none"]), _f(x["hit_rate"], "{:.3f}"),
+                  _tok(x["uncached_tokens"]), _tok(x["reprefill_tokens"]), _f(x["latency_p50_s"], "{:.3f}"),
+                  _f(x["latency_p99_s"], "{:.3f}"), _f(x["late_latency_p50_s"], "{:.3f}"),
+                  str(x["waits"]), _f(x["gate_preemptions"], "{:.0f}"), adm)
+    console.print(t)
+    console.print("* best fixed cap. 'late' = turns in the last third of their session; "
+                  "hit rate from the engines' own /metrics counters; re-prefill = uncached prompt "
+                  "tokens beyond those no engine could have cached.")
+
+
+def write_json(summary: dict, path: Path, extra: dict | None = None) -> None:
+    data = dict(summary)
+    if extra:
+        data.update(extra)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def write_plots(summary: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for x in summary["policies"]:
+        pts = [(t, h) for t, h in x["hit_rate_over_time"] if h is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=x["policy"], lw=1.2)
+    ax.set_xlabel("time since step start (s, scaled)")
+    ax.set_ylabel("prefix-cache hit rate (per sample window)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("Prefix-cache hit rate over time")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    p = out_dir / "hit_rate_over_time.png"
+    fig.tight_layout()
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for x in summary["policies"]:
+        items = sorted((int(k), v) for k, v in x["latency_by_turn_s"].items())
+        if items:
+            ax.plot([i for i, _ in items], [v for _, v in items], label=x["policy"], lw=1.2)
+    ax.set_xlabel("turn index")
+    ax.set_ylabel("mean turn latency (s, incl. gate wait)")
+    ax.set_yscale("log")
+    ax.set_title("Turn latency by turn index")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    p = out_dir / "latency_by_turn.png"
+    fig.tight_layout()
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    return paths

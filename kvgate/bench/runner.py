@@ -1,0 +1,400 @@
+"""Drive one seeded workload through several admission policies, one after another.
+
+Policies:
+
+* ``none``       every turn goes straight to the engines;
+* ``cap-N``      a fixed per-session cap: at most N sessions are active (between their
+                 first turn and their end) at once; others wait FIFO to start.  This is the
+                 naive alternative kvgate is measured against; the bench sweeps a few N;
+* ``turncap-N``  at most N turns in flight at once (optional; a per-request cap);
+* ``admission``  kvgate with ``GateConfig(admission=True, residency=False)``;
+* ``residency``  kvgate with ``GateConfig(admission=False, residency=True)`` and the HTTP probe;
+* ``kvgate``     both features, default knobs, HTTP probe.
+
+Every policy gets a fresh engine set (the simulator is restarted, or real engines have
+their prefix caches reset) and a fresh gate name, and sees the same sessions and tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import math
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+
+from .engines import Counters, EngineClient
+from .workload import Workload, session_tokens
+
+__all__ = ["Policy", "parse_policies", "TurnRecord", "PolicyResult", "EngineEnv", "run_policy",
+           "scaled_gate_config", "GATE_POLICIES"]
+
+GATE_POLICIES = {
+    "admission": (True, False),
+    "residency": (False, True),
+    "kvgate": (True, True),
+}
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    kind: str  # none | cap | turncap | gate
+    cap: int | None = None
+    admission: bool = False
+    residency: bool = False
+
+
+def parse_policies(text: str | Sequence[str], caps: Sequence[int]) -> list[Policy]:
+    """``none,cap,admission,residency,kvgate`` -> policies; ``cap`` expands to one per cap."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out: list[Policy] = []
+    for raw in items:
+        name = raw.strip()
+        if not name:
+            continue
+        if name == "none":
+            out.append(Policy("none", "none"))
+        elif name in ("cap", "turncap"):
+            if not caps:
+                raise ValueError(f"policy {name!r} needs at least one cap (--caps)")
+            out.extend(Policy(f"{name}-{c}", name, cap=c) for c in caps)
+        elif name.startswith("cap-") or name.startswith("turncap-"):
+            kind, _, n = name.partition("-")
+            try:
+                c = int(n)
+            except ValueError:
+                raise ValueError(f"bad policy {name!r}: expected {kind}-N with an integer N") from None
+            if c < 1:
+                raise ValueError(f"bad policy {name!r}: the cap must be >= 1")
+            out.append(Policy(name, kind, cap=c))
+        elif name in GATE_POLICIES:
+            adm, res = GATE_POLICIES[name]
+            out.append(Policy(name, "gate", admission=adm, residency=res))
+        else:
+            raise ValueError(f"unknown policy {name!r}: use none, cap, cap-N, turncap-N, "
+                             f"admission, residency, kvgate")
+    if not out:
+        raise ValueError("no policies given")
+    names = [p.name for p in out]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"policy given twice: {', '.join(sorted(dup))}")
+    return out
+
+
+@dataclass
+class TurnRecord:
+    session: str
+    turn: int  # index within the session (0-based)
+    ready_s: float  # when the turn was ready (after the tool), since the step started
+    start_s: float  # when the engine call started (after any gate wait)
+    done_s: float
+    prompt_tokens: int
+    cached_tokens: int | None
+    output_tokens: int
+    outcome: str = ""
+    reason: str = ""
+    waited_s: float = 0.0
+
+    @property
+    def latency_s(self) -> float:
+        return self.done_s - self.ready_s
+
+
+@dataclass
+class PolicyResult:
+    policy: Policy
+    wall_s: float
+    turns: list[TurnRecord]
+    counters: Counters  # engine counters over this policy's run
+    samples: list[tuple[float, float, float]]  # (t, cumulative hits, cumulative queries)
+    usage_samples: list[tuple[float, float]]  # (t, worst engine usage)
+    step_metrics: dict = field(default_factory=dict)
+    errors: int = 0
+    error_examples: list[str] = field(default_factory=list)
+    gate_config: dict = field(default_factory=dict)
+
+
+class EngineEnv:
+    """A fresh set of engines for one policy: ``async with env.fresh() as client``."""
+
+    def fresh(self) -> contextlib.AbstractAsyncContextManager[EngineClient]:  # pragma: no cover
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        return {}
+
+
+def scaled_gate_config(base: Any, policy: Policy, time_scale: float, scale_knobs: bool = True) -> Any:
+    """Per-policy GateConfig: features from the policy, time knobs scaled with the workload.
+
+    The workload's tool latencies and the engines' costs are multiplied by ``time_scale``;
+    so are the gate's own durations (idle grace, max wait, wait poll), keeping every ratio
+    the same as in an unscaled run.  ``staleness_s`` and ``lease_ttl_s`` are safety
+    timeouts, not dynamics, and stay as they are.
+    """
+    kw = {"admission": policy.admission, "residency": policy.residency}
+    if scale_knobs and time_scale != 1.0:
+        for k in ("idle_grace_s", "max_wait_s", "wait_poll_s"):
+            v = getattr(base, k, None)
+            if v is not None:
+                kw[k] = max(v * time_scale, 0.01) if v > 0 else v
+    return replace(base, **kw)
+
+
+async def _maybe(x: Any) -> Any:
+    return await x if inspect.isawaitable(x) else x
+
+
+class _SnapshotFeeder:
+    """Writes capacity snapshots into the gate from ``GET /kvgate/usage`` of each engine.
+
+    Used when ``kvgate.poller.Poller`` is not available (or not wanted); also runs the
+    gate's housekeeping each tick, as the poller would.
+    """
+
+    def __init__(self, gate: Any, client: EngineClient, interval_s: float) -> None:
+        self.gate, self.client, self.interval_s = gate, client, interval_s
+
+    async def tick(self) -> None:
+        import kvgate
+
+        states = []
+        for u in await self.client.usage():
+            cap = u["capacity_tokens"]
+            usage = u["usage"]
+            states.append(kvgate.EngineState(
+                engine_id=u["url"], capacity_tokens=cap,
+                used_tokens=int(round((usage or 0.0) * cap)), usage=usage,
+                healthy=bool(u["healthy"]), url=u["url"], kind=self.client.kind))
+        await _maybe(self.gate.write_snapshot(states))
+        with contextlib.suppress(Exception):
+            await _maybe(self.gate.housekeep(limit=100))
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the gate fails open on a stale snapshot; keep trying
+                pass
+            await asyncio.sleep(self.interval_s)
+
+
+def _make_probe(client: EngineClient, timeout_s: float) -> Any:
+    try:
+        from kvgate.integrations.http_probe import HttpProbe
+    except ImportError:
+        return None
+    for kwargs in ({"urls": client.engine_urls, "timeout_s": timeout_s}, {"urls": client.engine_urls}):
+        with contextlib.suppress(TypeError):
+            return HttpProbe(**kwargs)
+    with contextlib.suppress(TypeError):
+        return HttpProbe(client.engine_urls)
+    return None
+
+
+@contextlib.asynccontextmanager
+async def _gate_for(policy: Policy, redis_url: str, base_cfg: Any, client: EngineClient,
+                    time_scale: float, scale_knobs: bool, snapshot_interval_s: float,
+                    use_poller: bool) -> AsyncIterator[tuple[Any, dict]]:
+    import kvgate
+
+    cfg = scaled_gate_config(base_cfg, policy, time_scale, scale_knobs)
+    probe = _make_probe(client, getattr(cfg, "probe_timeout_s", 0.5)) if policy.residency else None
+    name = f"bench-{policy.name}-{uuid.uuid4().hex[:8]}"
+    gate = kvgate.AsyncGate.from_url(redis_url, gate=name, config=cfg, probe=probe)
+    feeder_task = None
+    poller = None
+    try:
+        if use_poller:
+            poller = await _start_poller(redis_url, name, cfg, client, snapshot_interval_s)
+        if poller is None:
+            feeder = _SnapshotFeeder(gate, client, snapshot_interval_s)
+            await feeder.tick()
+            feeder_task = asyncio.create_task(feeder.run())
+        info = {"gate": name, "config": _cfg_dict(cfg), "probe": type(probe).__name__ if probe else None,
+                "snapshots": "kvgate.poller.Poller" if poller is not None else "bench feeder (/kvgate/usage)"}
+        yield gate, info
+    finally:
+        if feeder_task is not None:
+            feeder_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await feeder_task
+        if poller is not None:
+            with contextlib.suppress(Exception):
+                await _stop_poller(poller)
+        for closer in ("aclose", "close"):
+            fn = getattr(gate, closer, None)
+            if fn is not None:
+                with contextlib.suppress(Exception):
+                    await _maybe(fn())
+                break
+        if probe is not None:
+            for closer in ("aclose", "close"):
+                fn = getattr(probe, closer, None)
+                if fn is not None:
+                    with contextlib.suppress(Exception):
+                        await _maybe(fn())
+                    break
+
+
+async def _start_poller(redis_url: str, gate_name: str, cfg: Any, client: EngineClient,
+                        interval_s: float) -> Any:
+    """Start the real poller in this event loop if kvgate.poller offers an asyncio API."""
+    try:
+        from kvgate import poller as poller_mod
+    except ImportError:
+        return None
+    factory = getattr(poller_mod, "bench_poller", None)
+    if factory is None:
+        return None
+    return await _maybe(factory(redis_url=redis_url, gate=gate_name, config=cfg,
+                                engines=client.engine_urls, kind=client.kind, interval_s=interval_s))
+
+
+async def _stop_poller(p: Any) -> None:
+    for m in ("aclose", "stop", "close"):
+        fn = getattr(p, m, None)
+        if fn is not None:
+            await _maybe(fn())
+            return
+
+
+def _cfg_dict(cfg: Any) -> dict:
+    try:
+        from dataclasses import asdict
+        return asdict(cfg)
+    except TypeError:
+        return dict(getattr(cfg, "__dict__", {}))
+
+
+async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *,
+                     time_scale: float, redis_url: str | None = None, base_cfg: Any = None,
+                     scale_knobs: bool = True, snapshot_interval_s: float = 0.1,
+                     sample_interval_s: float = 0.25, use_poller: bool = True,
+                     on_turn: Callable[[TurnRecord], None] | None = None,
+                     step_timeout_s: float = 3600.0) -> PolicyResult:
+    """Run every session of ``workload`` against ``client`` under ``policy``."""
+    if not (math.isfinite(time_scale) and time_scale > 0):
+        raise ValueError(f"time scale must be > 0, got {time_scale!r}")
+    if policy.kind == "gate" and redis_url is None:
+        raise ValueError(f"policy {policy.name!r} needs a Redis URL")
+    loop = asyncio.get_running_loop()
+    records: list[TurnRecord] = []
+    errors: list[str] = []
+    samples: list[tuple[float, float, float]] = []
+    usage_samples: list[tuple[float, float]] = []
+
+    base = await client.counters()
+    t0 = loop.time()
+
+    async def sampler() -> None:
+        while True:
+            await asyncio.sleep(sample_interval_s)
+            c = await client.counters() - base
+            samples.append((loop.time() - t0, c.hits, c.queries))
+            with contextlib.suppress(Exception):
+                us = [u["usage"] for u in await client.usage() if u["usage"] is not None]
+                if us:
+                    usage_samples.append((loop.time() - t0, max(us)))
+
+    sem = asyncio.Semaphore(policy.cap) if policy.kind in ("cap", "turncap") else None
+
+    async def session_body(sess, gate) -> None:
+        history: list[int] = []
+        sid = sess.session_id
+        try:
+            for idx, t in enumerate(sess.turns):
+                if t.gap_s > 0:
+                    await asyncio.sleep(t.gap_s * time_scale)
+                if t.reset_to is not None:
+                    history = session_tokens(workload, sid, t.turn, t.reset_to)
+                else:
+                    history.extend(session_tokens(workload, sid, t.turn, t.new_tokens))
+                ready = loop.time() - t0
+                outcome = reason = ""
+                waited = 0.0
+                try:
+                    if gate is not None:
+                        async with gate.turn(sid, prompt_ids=history, max_new_tokens=t.output_tokens) as lease:
+                            start = loop.time() - t0
+                            res = await client.generate(sid, history, t.output_tokens)
+                            outcome = str(getattr(lease, "outcome", "") or "")
+                            reason = str(getattr(lease, "reason", "") or "")
+                            waited = float(getattr(lease, "waited_s", 0.0) or 0.0)
+                    elif policy.kind == "turncap":
+                        async with sem:
+                            start = loop.time() - t0
+                            res = await client.generate(sid, history, t.output_tokens)
+                    else:
+                        start = loop.time() - t0
+                        res = await client.generate(sid, history, t.output_tokens)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # count, keep the session going with a synthetic output
+                    errors.append(f"{sid} turn {idx}: {type(e).__name__}: {e}"[:300])
+                    history.extend(session_tokens(workload, sid, 100000 + idx, t.output_tokens))
+                    continue
+                done = loop.time() - t0
+                rec = TurnRecord(session=sid, turn=idx, ready_s=ready, start_s=start, done_s=done,
+                                 prompt_tokens=res.prompt_tokens or len(history),
+                                 cached_tokens=res.cached_tokens, output_tokens=len(res.output_ids),
+                                 outcome=outcome, reason=reason, waited_s=waited)
+                records.append(rec)
+                if on_turn is not None:
+                    on_turn(rec)
+                out = res.output_ids
+                if len(out) < t.output_tokens and not out:
+                    out = session_tokens(workload, sid, 100000 + idx, t.output_tokens)
+                history.extend(out)
+        finally:
+            if gate is not None:
+                with contextlib.suppress(Exception):
+                    await gate.finish_session(sid)
+
+    async def session(sess, gate) -> None:
+        if policy.kind == "cap":
+            start = sess.turns[0].gap_s if sess.turns else 0.0
+            if start > 0:
+                await asyncio.sleep(start * time_scale)
+            async with sem:
+                await session_body(replace(sess, turns=(replace(sess.turns[0], gap_s=0.0),) + sess.turns[1:]),
+                                   gate)
+        else:
+            await session_body(sess, gate)
+
+    async def drive(gate) -> float:
+        nonlocal t0
+        t0 = loop.time()
+        samp = asyncio.create_task(sampler())
+        try:
+            await asyncio.wait_for(asyncio.gather(*(session(s, gate) for s in workload.sessions)),
+                                   timeout=step_timeout_s)
+        finally:
+            samp.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await samp
+        return loop.time() - t0
+
+    step: dict = {}
+    gate_info: dict = {}
+    if policy.kind == "gate":
+        async with _gate_for(policy, redis_url, base_cfg, client, time_scale, scale_knobs,
+                             snapshot_interval_s, use_poller) as (gate, gate_info):
+            with contextlib.suppress(Exception):
+                await _maybe(gate.step_metrics(drain=True))  # start the step clean
+            wall = await drive(gate)
+            with contextlib.suppress(Exception):
+                step = dict(await _maybe(gate.step_metrics(drain=True)))
+    else:
+        wall = await drive(None)
+    final = await client.counters() - base
+    samples.append((loop.time() - t0, final.hits, final.queries))
+    return PolicyResult(policy=policy, wall_s=wall, turns=records, counters=final, samples=samples,
+                        usage_samples=usage_samples, step_metrics=step, errors=len(errors),
+                        error_examples=errors[:5], gate_config=gate_info)
