@@ -1,0 +1,140 @@
+"""What the sync and async gates share: naming, parameters, decoding, local counters."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable, Sequence
+
+from . import keys as _keys
+from ._flow import Decision, TurnRequest, build_request, knob_params
+from .config import GateConfig
+from .metrics import build_step_metrics
+from .scripts import SCRIPT_NAMES, script_source
+from .snapshot import EngineState, SnapshotResult
+
+#: after a Redis fault, turns bypass as degraded without calling Redis for this long,
+#: so a dead Redis costs one timeout per breaker period, not one per turn
+BREAKER_S = 1.0
+
+
+class GateBase:
+    def __init__(self, gate: str, config: GateConfig | None, probe: Any,
+                 clock_ms: Callable[[], int] | None):
+        self.name = _keys.validate_gate_name(gate)
+        if config is None:
+            config = GateConfig()
+        if not isinstance(config, GateConfig):
+            raise ValueError(f"config must be a kvgate.GateConfig, got {type(config).__name__}")
+        self.config = config
+        self.probe = probe
+        self._clock_ms = clock_ms
+        self._keys = _keys.script_keys(self.name)
+        self.channel = _keys.channel(self.name)
+        self._knobs = knob_params(config, self.channel)
+        self._breaker_until = 0.0
+        self._local = Counter()          # outcomes decided without Redis (pass, degraded on faults)
+        self._local_lock = threading.Lock()
+        self._turns = Counter()          # per-session turn counter when the caller gives no index
+        self._sources = {n: script_source(n) for n in SCRIPT_NAMES}
+
+    # -- helpers ------------------------------------------------------------------------
+    def key(self, name: str) -> str:
+        return _keys.key(self.name, name)
+
+    def _args(self, params: dict) -> list[str]:
+        now = "" if self._clock_ms is None else str(int(self._clock_ms()))
+        return [now, json.dumps({**self._knobs, **params}, separators=(",", ":"))]
+
+    def _breaker_open(self) -> bool:
+        return time.monotonic() < self._breaker_until
+
+    def _trip(self) -> None:
+        self._breaker_until = time.monotonic() + BREAKER_S
+
+    def _count_local(self, d: Decision) -> None:
+        with self._local_lock:
+            self._local[d.outcome] += 1
+            if d.outcome == "bypass":
+                self._local["bypass_" + d.reason] += 1
+
+    def _request(self, session_id: Any, kw: dict) -> TurnRequest:
+        req = build_request(self.config, session_id, **kw)
+        if req.turn_index is None:
+            with self._local_lock:
+                idx = self._turns[req.session_id]
+                self._turns[req.session_id] += 1
+            req = TurnRequest(**{**req.__dict__, "turn_index": idx})
+        return req
+
+    def _forget_session(self, session_id: str) -> None:
+        with self._local_lock:
+            self._turns.pop(session_id, None)
+
+    @staticmethod
+    def _decode(raw: Any) -> dict:
+        if isinstance(raw, bytes):
+            raw = raw.decode()
+        return json.loads(raw)
+
+    @staticmethod
+    def _snapshot_params(engines: Sequence[EngineState]) -> dict:
+        if isinstance(engines, EngineState) or not all(isinstance(e, EngineState) for e in engines):
+            raise ValueError("write_snapshot takes a list of kvgate.EngineState")
+        ids = [e.engine_id for e in engines]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate engine ids in snapshot: {sorted(ids)}")
+        return {"engines": [e.to_script() for e in engines]}
+
+    @staticmethod
+    def _snapshot_result(r: dict) -> SnapshotResult:
+        return SnapshotResult(epoch=int(r["epoch"]), bumped=bool(r["bumped"]),
+                              capacity_tokens=int(r["capacity"]), usage=float(r["usage"]),
+                              n_healthy=int(r["n_healthy"]))
+
+    def _step_metrics(self, raw: dict | None) -> dict[str, float]:
+        with self._local_lock:
+            local = dict(self._local)
+            self._local.clear()
+        return build_step_metrics(raw, self.config, local)
+
+    def _status(self, ledger: dict, snap: dict, fifo_n: int, leases_n: int, windows_n: int,
+                head: list, totals: dict, now_ms: int) -> dict:
+        def dec(d: dict) -> dict:
+            return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+                    for k, v in d.items()}
+        ledger, snap, totals = dec(ledger), dec(snap), dec(totals)
+        cap = int(snap.get("capacity", 0) or 0)
+        ceiling = int(cap * self.config.headroom)
+        reserved = int(ledger.get("reserved", 0) or 0)
+        ts = snap.get("ts_ms")
+        age = (now_ms - int(ts)) / 1000.0 if ts else None
+        engines = json.loads(snap["engines"]) if snap.get("engines") and snap["engines"] != "{}" else []
+        fresh = age is not None and age <= self.config.staleness_s and int(snap.get("n_healthy", 0) or 0) > 0
+        return {
+            "gate": self.name, "reserved": reserved, "ceiling": ceiling, "capacity": cap,
+            "available": max(0, ceiling - reserved), "usage": float(snap.get("usage", 0) or 0),
+            "epoch": int(ledger.get("epoch", 0) or 0), "waiting": fifo_n, "leases": leases_n,
+            "windows": windows_n, "snapshot_age_s": age, "degraded": not fresh,
+            "hit_rate": float(snap["hit_rate"]) if snap.get("hit_rate") not in (None, "-1") else None,
+            "engines": engines,
+            "fifo_head": [(t.decode() if isinstance(t, bytes) else t) for t, _ in head],
+            "totals": {k: float(v) for k, v in totals.items()},
+        }
+
+
+def engine_urls_from(config: GateConfig, engines_json: Any) -> list[str]:
+    if config.engine_urls:
+        return list(config.engine_urls)
+    if not engines_json:
+        return []
+    if isinstance(engines_json, bytes):
+        engines_json = engines_json.decode()
+    try:
+        engines = json.loads(engines_json)
+    except ValueError:
+        return []
+    if not isinstance(engines, list):
+        return []
+    return sorted({e["url"] for e in engines if isinstance(e, dict) and e.get("url")})

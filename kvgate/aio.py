@@ -1,0 +1,392 @@
+"""The asyncio gate: the same surface as ``kvgate.Gate``, for agent loops on asyncio."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any, AsyncIterator, Sequence
+
+import redis
+import redis.asyncio as aioredis
+
+from ._base import GateBase, engine_urls_from
+from ._flow import Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow
+from .config import GateConfig
+from .errors import KvgateError
+from .probe import UNAVAILABLE, ProbeResult, coerce
+from .snapshot import EngineState, SnapshotResult
+
+REDIS_ERRORS = (redis.RedisError, OSError, asyncio.TimeoutError)
+
+
+class AsyncLease:
+    """An admitted / bypassed / passed-through turn. ``await lease.release()`` is idempotent."""
+
+    def __init__(self, gate: "AsyncGate", req: TurnRequest, d: Decision):
+        self._gate = gate
+        self.session_id = req.session_id
+        self.ticket = req.ticket
+        self.turn_index = req.turn_index
+        self.outcome = d.outcome
+        self.reason = d.reason
+        self.waited_s = d.waited_s
+        self.tokens = d.tokens
+        self.epoch = d.epoch
+        self.held = d.held
+        self.released = not d.held
+        self._t0 = time.monotonic()
+
+    @property
+    def admitted(self) -> bool:
+        return self.outcome == "admit"
+
+    async def release(self) -> bool:
+        if self.released:
+            return False
+        self.released = True
+        # shielded: a cancelled caller still gives its lease back
+        return await asyncio.shield(self._gate._release(self.ticket, time.monotonic() - self._t0,
+                                                        self.turn_index))
+
+    def __repr__(self) -> str:
+        return (f"AsyncLease(session={self.session_id!r}, outcome={self.outcome!r}, reason={self.reason!r}, "
+                f"waited_s={self.waited_s:.3f}, tokens={self.tokens}, ticket={self.ticket!r})")
+
+
+class _AsyncListener:
+    """One pub/sub subscription per AsyncGate (one per process in practice)."""
+
+    def __init__(self, gate: "AsyncGate"):
+        self._gate = gate
+        self._events: dict[str, asyncio.Event] = {}
+        self._task: asyncio.Task | None = None
+        self._subscribed = asyncio.Event() if False else None
+
+    def register(self, ticket: str) -> asyncio.Event:
+        ev = asyncio.Event()
+        self._events[ticket] = ev
+        return ev
+
+    def unregister(self, ticket: str) -> None:
+        self._events.pop(ticket, None)
+
+    def ensure_started(self) -> bool:
+        if self._task is not None and not self._task.done():
+            return False
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvgate-pubsub")
+        return True
+
+    async def _run(self) -> None:
+        backoff = 0.1
+        while True:
+            pubsub = None
+            try:
+                pubsub = self._gate.redis.pubsub(ignore_subscribe_messages=True)
+                await pubsub.subscribe(self._gate.channel)
+                backoff = 0.1
+                while True:
+                    msg = await pubsub.get_message(timeout=1.0)
+                    if msg is not None:
+                        self._dispatch(msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - reconnect; waiters poll meanwhile
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(pubsub.aclose(), 1.0)
+
+    def _dispatch(self, msg: dict) -> None:
+        data = msg.get("data")
+        if isinstance(data, bytes):
+            data = data.decode(errors="replace")
+        if not isinstance(data, str) or " " not in data:
+            return
+        kind, arg = data.split(" ", 1)
+        if kind in ("g", "p"):
+            ev = self._events.get(arg)
+            if ev is not None:
+                ev.set()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self._task, 2.0)
+            self._task = None
+
+
+class AsyncGate(GateBase):
+    """A gate for asyncio code; see ``kvgate.Gate`` for the semantics."""
+
+    def __init__(self, redis_client: Any, gate: str, config: GateConfig | None = None, probe: Any = None,
+                 clock_ms: Any = None):
+        super().__init__(gate, config, probe, clock_ms)
+        self.redis = redis_client
+        self._scripts = {n: redis_client.register_script(src) for n, src in self._sources.items()}
+        self._listener = _AsyncListener(self)
+        self._inflight: dict[str, set[asyncio.Task]] = {}
+
+    @classmethod
+    def from_url(cls, url: str, gate: str, config: GateConfig | None = None, probe: Any = None,
+                 cluster: bool = False, **redis_kwargs: Any) -> "AsyncGate":
+        cfg = config or GateConfig()
+        kw = dict(socket_connect_timeout=cfg.redis_timeout_s, socket_timeout=cfg.redis_timeout_s)
+        kw.update(redis_kwargs)
+        if cluster:
+            from redis.asyncio.cluster import RedisCluster
+            client = RedisCluster.from_url(url, **kw)
+        else:
+            client = aioredis.Redis.from_url(url, **kw)
+        return cls(client, gate=gate, config=cfg, probe=probe)
+
+    async def aclose(self) -> None:
+        await self._listener.close()
+        with contextlib.suppress(Exception):
+            await self.redis.aclose()
+
+    async def __aenter__(self) -> "AsyncGate":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def _eval(self, name: str, params: dict) -> dict:
+        if self._breaker_open():
+            raise RedisDown("breaker open after a recent Redis fault")
+        try:
+            raw = await asyncio.wait_for(self._scripts[name](keys=self._keys, args=self._args(params)),
+                                         self.config.redis_timeout_s * 2 + 0.5)
+        except REDIS_ERRORS as e:
+            self._trip()
+            raise RedisDown(str(e) or type(e).__name__) from e
+        return self._decode(raw)
+
+    # -- turns -----------------------------------------------------------------------------
+    async def acquire(self, session_id: str, *, prompt_ids: Sequence[int] | None = None,
+                      prompt_tokens: int | None = None, max_new_tokens: int = None, protected: bool = False,
+                      scope: str = "train", retain_session: bool = True, abort_event: Any = None,
+                      turn_index: int | None = None, timeout_s: float | None = None) -> AsyncLease:
+        """See ``Gate.acquire``. Cancelling the awaiting task removes its waiter atomically
+        (a lease granted at that moment is released)."""
+        if abort_event is not None and not hasattr(abort_event, "is_set"):
+            raise ValueError("abort_event must be an Event (with is_set())")
+        req = self._request(session_id, dict(prompt_ids=prompt_ids, prompt_tokens=prompt_tokens,
+                                             max_new_tokens=max_new_tokens, protected=protected, scope=scope,
+                                             retain_session=retain_session, turn_index=turn_index,
+                                             timeout_s=timeout_s))
+        d = await self._drive(req, abort_event)
+        if d.outcome == "pass" or (d.outcome == "bypass" and d.epoch < 0):
+            self._count_local(d)
+        return AsyncLease(self, req, d)
+
+    @contextlib.asynccontextmanager
+    async def turn(self, session_id: str, **kw: Any) -> AsyncIterator[AsyncLease]:
+        lease = await self.acquire(session_id, **kw)
+        task = asyncio.current_task()
+        if lease.outcome != "pass" and task is not None:
+            self._inflight.setdefault(lease.session_id, set()).add(task)
+        try:
+            yield lease
+        finally:
+            if task is not None:
+                s = self._inflight.get(lease.session_id)
+                if s is not None:
+                    s.discard(task)
+                    if not s:
+                        self._inflight.pop(lease.session_id, None)
+            await lease.release()
+
+    async def _drive(self, req: TurnRequest, abort_event: Any) -> Decision:
+        gen = acquire_flow(self.config, req, self._knobs, self.probe is not None, time.monotonic)
+        ev = self._listener.register(req.ticket)
+        send: Any = None
+        throw: BaseException | None = None
+        try:
+            while True:
+                try:
+                    op = gen.throw(throw) if throw is not None else gen.send(send)
+                except StopIteration as stop:
+                    return stop.value
+                send, throw = None, None
+                if isinstance(op, Eval):
+                    try:
+                        send = await self._eval(op.script, op.params)
+                    except RedisDown as e:
+                        throw = e
+                elif isinstance(op, Probe):
+                    send = await self._probe(req)
+                elif isinstance(op, Wait):
+                    send = await self._wait(ev, op.timeout_s, abort_event)
+                else:  # pragma: no cover
+                    raise AssertionError(op)
+        except BaseException as e:
+            if not isinstance(e, (KvgateError, ValueError)):
+                # cancelled (asyncio.timeout, task.cancel) mid-call or mid-wait: remove the
+                # waiter, or release a lease granted concurrently; shielded and bounded
+                await self._cancel_shielded(req.ticket)
+            raise
+        finally:
+            self._listener.unregister(req.ticket)
+            gen.close()
+
+    async def _cancel_shielded(self, ticket: str) -> None:
+        async def cancel() -> None:
+            with contextlib.suppress(RedisDown):
+                await self._eval("cancel", {"ticket": ticket})
+        t = asyncio.ensure_future(cancel())
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(t)
+
+    async def _wait(self, ev: asyncio.Event, timeout_s: float, abort_event: Any) -> str:
+        if self._listener.ensure_started():
+            await asyncio.sleep(0)
+            return "signal"
+        waiters = [asyncio.ensure_future(ev.wait())]
+        abort_is_async = isinstance(abort_event, asyncio.Event)
+        if abort_is_async:
+            if abort_event.is_set():
+                waiters[0].cancel()
+                return "abort"
+            waiters.append(asyncio.ensure_future(abort_event.wait()))
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                if abort_event is not None and abort_event.is_set():
+                    return "abort"
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return "timeout"
+                step = left if (abort_event is None or abort_is_async) else min(left, 0.05)
+                done, _ = await asyncio.wait(waiters, timeout=step, return_when=asyncio.FIRST_COMPLETED)
+                if abort_event is not None and abort_event.is_set():
+                    return "abort"
+                if waiters[0] in done:
+                    ev.clear()
+                    return "signal"
+        finally:
+            for w in waiters:
+                w.cancel()
+
+    async def _probe(self, req: TurnRequest) -> ProbeResult:
+        probe = self.probe
+        if probe is None or req.prompt_ids is None:
+            return UNAVAILABLE
+        try:
+            if hasattr(probe, "aprobe"):
+                r = await asyncio.wait_for(probe.aprobe(req.session_id, req.prompt_ids),
+                                           self.config.probe_timeout_s)
+            elif hasattr(probe, "probe"):
+                r = await asyncio.wait_for(asyncio.to_thread(probe.probe, req.session_id, req.prompt_ids),
+                                           self.config.probe_timeout_s)
+            else:
+                return UNAVAILABLE
+            return coerce(r)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed probe is an unavailable probe
+            return ProbeResult(None, detail=f"probe failed: {type(e).__name__}: {e}")
+
+    async def _release(self, ticket: str, latency_s: float, turn_index: int | None) -> bool:
+        try:
+            r = await self._eval("release", {"ticket": ticket, "lat_ms": latency_s * 1000.0, "turn": turn_index})
+        except RedisDown:
+            return False
+        return bool(r.get("released"))
+
+    # -- sessions --------------------------------------------------------------------------
+    async def finish_session(self, session_id: str) -> dict:
+        """See ``Gate.finish_session``. With ``session_lifecycle`` on, the session's
+        in-flight turns in this process are joined for up to ``close_timeout_s``, then
+        cancelled, before ``/close_session`` goes to every engine."""
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+        out: dict[str, Any] = {"session_id": session_id}
+        try:
+            out.update(await self._eval("finish_session", {"session": session_id}))
+        except RedisDown as e:
+            out["error"] = str(e)
+        self._forget_session(session_id)
+        if self.config.session_lifecycle:
+            me = asyncio.current_task()
+            tasks = [t for t in self._inflight.get(session_id, ()) if t is not me and not t.done()]
+            if tasks:
+                done, pending = await asyncio.wait(tasks, timeout=self.config.close_timeout_s)
+                for t in pending:
+                    t.cancel()
+                out["joined"] = len(done)
+                out["aborted"] = len(pending)
+            out["close"] = await self._close(session_id)
+        return out
+
+    async def _close(self, session_id: str) -> dict:
+        from .lifecycle import aclose_session
+        urls = await self.engine_urls()
+        res = await aclose_session(urls, session_id, timeout_s=self.config.close_timeout_s)
+        await self.record_close(res.attempts, res.failures)
+        return {"attempts": res.attempts, "failures": res.failures}
+
+    async def num_preempted(self, session_id: str) -> int:
+        try:
+            v = await self.redis.hget(self.key("preempted"), session_id)
+        except REDIS_ERRORS:
+            return 0
+        return int(v or 0)
+
+    # -- snapshots and housekeeping --------------------------------------------------------
+    async def write_snapshot(self, engines: Sequence[EngineState]) -> SnapshotResult:
+        params = self._snapshot_params(engines)
+        raw = await self._scripts["write_snapshot"](keys=self._keys, args=self._args(params))
+        return self._snapshot_result(self._decode(raw))
+
+    async def housekeep(self, limit: int = 100) -> dict:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be an int >= 1, got {limit!r}")
+        return self._decode(await self._scripts["housekeep"](keys=self._keys, args=self._args({"limit": limit})))
+
+    async def bump_epoch(self) -> int:
+        raw = await self._scripts["bump_epoch"](keys=self._keys, args=self._args({}))
+        return int(self._decode(raw)["epoch"])
+
+    async def engine_urls(self) -> list[str]:
+        if self.config.engine_urls:
+            return list(self.config.engine_urls)
+        try:
+            return engine_urls_from(self.config, await self.redis.hget(self.key("snapshot"), "engines"))
+        except REDIS_ERRORS:
+            return []
+
+    async def record_close(self, attempts: int, failures: int) -> None:
+        try:
+            p = self.redis.pipeline(transaction=False)
+            for k in ("stats", "totals"):
+                p.hincrby(self.key(k), "close", attempts)
+                p.hincrby(self.key(k), "close_failure", failures)
+            await p.execute()
+        except REDIS_ERRORS:
+            with self._local_lock:
+                self._local["close"] += attempts
+                self._local["close_failure"] += failures
+
+    async def status(self) -> dict:
+        p = self.redis.pipeline(transaction=False)
+        p.hgetall(self.key("ledger"))
+        p.hgetall(self.key("snapshot"))
+        p.zcard(self.key("fifo"))
+        p.zcard(self.key("lease_exp"))
+        p.hlen(self.key("windows"))
+        p.zrange(self.key("fifo"), 0, 9, withscores=True)
+        p.hgetall(self.key("totals"))
+        p.time()
+        ledger, snap, fifo_n, leases_n, win_n, head, totals, t = await p.execute()
+        now_ms = int(self._clock_ms()) if self._clock_ms else int(t[0]) * 1000 + int(t[1]) // 1000
+        return self._status(ledger, snap, fifo_n, leases_n, win_n, head, totals, now_ms)
+
+    async def step_metrics(self, drain: bool = True) -> dict[str, float]:
+        try:
+            raw = await self._eval("drain_stats", {"drain": 1 if drain else 0})
+        except RedisDown:
+            raw = None
+        return self._step_metrics(raw)

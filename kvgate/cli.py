@@ -1,0 +1,341 @@
+"""The ``kvgate`` command: ``poller``, ``status``, ``top``, ``bench``.
+
+Every GateConfig knob is a flag (``--max-wait-s 10``, ``--admission/--no-admission``) and a
+``KVGATE_*`` environment variable; flags override the environment, which overrides defaults.
+``add_knob_arguments`` / ``config_from_args`` are public so other subcommands (bench) reuse them.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any, Mapping, Sequence
+
+__all__ = ["main", "build_parser", "add_knob_arguments", "config_from_args", "add_connection_arguments"]
+
+_KNOB_DEST_PREFIX = "knob_"
+
+
+# -- knobs ---------------------------------------------------------------------------------
+def _knob_fields():
+    from kvgate.config import GateConfig
+
+    return [f for f in dataclasses.fields(GateConfig) if f.init]
+
+
+def add_knob_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one flag per GateConfig knob (group "gate knobs").  Unset flags stay None so the
+    environment / defaults apply."""
+    from kvgate.config import KNOB_TYPES
+
+    g = parser.add_argument_group("gate knobs", "every knob also reads KVGATE_<KNOB> from the environment; "
+                                                "flags win")
+    for f in _knob_fields():
+        flag = "--" + f.name.replace("_", "-")
+        dest = _KNOB_DEST_PREFIX + f.name
+        typ = KNOB_TYPES.get(f.name)
+        default = f.default if f.default is not dataclasses.MISSING else "()"
+        if typ is bool:
+            g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"(default {default}; env KVGATE_{f.name.upper()})")
+        else:
+            metavar = {"engine_urls": "URL[,URL...]", "scope": "{train,all}"}.get(f.name, f.name.upper().split("_")[-1])
+            g.add_argument(flag, dest=dest, default=None, metavar=metavar,
+                           help=f"(default {default}; env KVGATE_{f.name.upper()})")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None):
+    """GateConfig from defaults < ``KVGATE_*`` environment < flags.  ValueError on bad input."""
+    from kvgate.config import GateConfig, parse_value
+
+    overrides: dict[str, Any] = {}
+    for f in _knob_fields():
+        raw = getattr(args, _KNOB_DEST_PREFIX + f.name, None)
+        if raw is None:
+            continue
+        overrides[f.name] = raw if isinstance(raw, bool) else parse_value(
+            f.name, str(raw), "--" + f.name.replace("_", "-"))
+    return GateConfig.from_env(env, **overrides)
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis", metavar="URL", default=os.environ.get("KVGATE_REDIS_URL"),
+                        help="Redis URL (env KVGATE_REDIS_URL), e.g. redis://127.0.0.1:6379/0")
+    parser.add_argument("--gate", metavar="NAME", default=os.environ.get("KVGATE_GATE"),
+                        help="gate name (env KVGATE_GATE)")
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be > 0: {s!r}")
+    return v
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {s!r}")
+    return v
+
+
+def _port(s: str) -> int:
+    v = _positive_int(s)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {s!r}")
+    return v
+
+
+# -- parser --------------------------------------------------------------------------------
+def build_parser(*, with_bench: bool = False) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvgate", description="Redis-backed KV admission gate for SGLang / vLLM")
+    p.add_argument("--log-level", default=os.environ.get("KVGATE_LOG_LEVEL", "INFO"),
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = p.add_subparsers(dest="command", metavar="{poller,status,top,bench}")
+    sub.required = True
+
+    sp = sub.add_parser("poller", help="discover engines, scrape /metrics, write snapshots (leader-elected)")
+    add_connection_arguments(sp)
+    src = sp.add_mutually_exclusive_group()
+    src.add_argument("--router", metavar="URL", help="sgl-router base URL (GET /workers, /list_workers)")
+    src.add_argument("--engine", metavar="URL", action="append", help="engine base URL (repeatable)")
+    sp.add_argument("--interval", type=_positive_float, default=1.0, metavar="S", help="seconds between ticks")
+    sp.add_argument("--http-timeout", type=_positive_float, default=2.0, metavar="S",
+                    help="deadline of each router / engine request")
+    sp.add_argument("--max-body-bytes", type=_positive_int, default=8 * 1024 * 1024, metavar="N",
+                    help="stop reading a response past N bytes")
+    sp.add_argument("--leader-ttl", type=_positive_float, default=5.0, metavar="S",
+                    help="leader lease TTL; a standby takes over within about this long")
+    sp.add_argument("--concurrency", type=_positive_int, default=32, metavar="N",
+                    help="engines scraped at once")
+    sp.add_argument("--housekeep-limit", type=_positive_int, default=100, metavar="N")
+    sp.add_argument("--metrics-port", type=_port, default=None, metavar="P",
+                    help="serve the gate's Prometheus metrics on this port")
+    sp.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDR",
+                    help="bind address of the metrics endpoint (0.0.0.0 in containers)")
+    sp.add_argument("--max-ticks", type=_positive_int, default=None, help=argparse.SUPPRESS)
+    add_knob_arguments(sp)
+
+    st = sub.add_parser("status", help="print the gate's state once")
+    add_connection_arguments(st)
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    add_knob_arguments(st)
+
+    tp = sub.add_parser("top", help="live view of the gate, refreshed every --refresh seconds")
+    add_connection_arguments(tp)
+    tp.add_argument("--refresh", type=_positive_float, default=1.0, metavar="S")
+    tp.add_argument("--iterations", type=_positive_int, default=None, metavar="N",
+                    help="stop after N refreshes (default: until Ctrl-C)")
+    add_knob_arguments(tp)
+
+    bp = sub.add_parser("bench", help="benchmarks (kvgate.bench)", add_help=not with_bench)
+    if with_bench:
+        try:
+            from kvgate.bench import cli as bench_cli
+        except ImportError as e:
+            bp.set_defaults(_bench_missing=str(e))
+            bp.add_argument("rest", nargs=argparse.REMAINDER)
+        else:
+            bench_cli.add_arguments(bp)
+            bp.set_defaults(_bench_run=bench_cli.run)
+    else:
+        bp.add_argument("rest", nargs=argparse.REMAINDER)
+    return p
+
+
+# -- commands ------------------------------------------------------------------------------
+def _need_connection(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not args.redis:
+        parser.error(f"{args.command}: --redis URL is required (or set KVGATE_REDIS_URL)")
+    if not args.gate:
+        parser.error(f"{args.command}: --gate NAME is required (or set KVGATE_GATE)")
+
+
+def _open_gate(args: argparse.Namespace, cfg):
+    import kvgate
+
+    return kvgate.Gate.from_url(args.redis, gate=args.gate, config=cfg)
+
+
+def _leader_of(gate, name: str) -> str | None:
+    from kvgate.poller import _redis_of, leader_key
+
+    try:
+        v = _redis_of(gate).get(leader_key(name))
+    except Exception:  # noqa: BLE001 - display only
+        return None
+    if v is None:
+        return ""
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def cmd_poller(parser, args, cfg) -> int:
+    from kvgate.poller import Poller
+
+    if not args.router and not args.engine:
+        parser.error("poller: give --router URL or at least one --engine URL")
+    gate = _open_gate(args, cfg)
+    try:
+        poller = Poller(gate, router=args.router, engines=args.engine, interval_s=args.interval,
+                        http_timeout_s=args.http_timeout, max_body_bytes=args.max_body_bytes,
+                        leader_ttl_s=args.leader_ttl, concurrency=args.concurrency,
+                        housekeep_limit=args.housekeep_limit)
+    except ValueError as e:
+        parser.error(f"poller: {e}")
+    if args.metrics_port:
+        _serve_metrics(gate, poller, args.metrics_host, args.metrics_port)
+
+    def _stop(signum, _frame):
+        logging.getLogger("kvgate.poller").info("signal %s: stopping", signum)
+        poller.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    logging.getLogger("kvgate.poller").info(
+        "poller %s for gate %s (%s), interval %.2fs, leader ttl %.1fs", poller.identity, poller.name,
+        args.router or ",".join(args.engine), args.interval, args.leader_ttl)
+    poller.run(max_ticks=args.max_ticks)
+    return 0
+
+
+def _serve_metrics(gate, poller, host: str, port: int) -> None:
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
+
+    registry = CollectorRegistry(auto_describe=False)
+    try:
+        from kvgate.metrics import GateCollector
+    except ImportError as e:
+        logging.getLogger("kvgate.poller").warning("kvgate.metrics.GateCollector unavailable: %s", e)
+    else:
+        registry.register(GateCollector(gate))
+
+    class PollerCollector:
+        def collect(self):
+            st = poller.status()
+            lab = ["gate", "identity"]
+            g = GaugeMetricFamily("kvgate_poller_leader", "1 when this poller holds the leader lease", labels=lab)
+            g.add_metric([poller.name, poller.identity], 1.0 if st["leader"] else 0.0)
+            yield g
+            for name, doc in (("ticks", "poller ticks"), ("writes", "snapshots written"),
+                              ("scrape_errors", "engine scrapes that failed or returned garbage"),
+                              ("leader_changes", "times this poller gained or lost the lease")):
+                c = CounterMetricFamily(f"kvgate_poller_{name}", doc, labels=lab)
+                c.add_metric([poller.name, poller.identity], float(st[name]))
+                yield c
+
+    registry.register(PollerCollector())
+    start_http_server(port, addr=host, registry=registry)
+
+
+def cmd_status(parser, args, cfg) -> int:
+    from rich.console import Console
+
+    from kvgate.status import render_status, status_json
+
+    gate = _open_gate(args, cfg)
+    try:
+        st = gate.status()
+    except Exception as e:  # noqa: BLE001 - report, do not trace
+        print(f"kvgate status: cannot read gate {args.gate!r} at {args.redis}: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 1
+    leader = _leader_of(gate, args.gate)
+    if args.json:
+        out = dict(st)
+        out["poller_leader"] = leader or None
+        print(status_json(out))
+    else:
+        Console().print(render_status(st, leader=leader))
+    return 0
+
+
+def cmd_top(parser, args, cfg) -> int:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
+
+    from kvgate.status import render_status
+
+    gate = _open_gate(args, cfg)
+    console = Console()
+
+    def frame():
+        try:
+            st = gate.status()
+        except Exception as e:  # noqa: BLE001 - keep refreshing; Redis may come back
+            return Text(f"cannot read gate {args.gate!r}: {type(e).__name__}: {e}", style="bold red")
+        return render_status(st, leader=_leader_of(gate, args.gate),
+                             title=f"kvgate top {args.gate}  {time.strftime('%H:%M:%S')}")
+
+    n = 0
+    try:
+        with Live(frame(), console=console, refresh_per_second=4, auto_refresh=False) as live:
+            n = 1
+            while args.iterations is None or n < args.iterations:
+                time.sleep(args.refresh)
+                live.update(frame(), refresh=True)
+                n += 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_bench(parser, args, cfg) -> int:
+    missing = getattr(args, "_bench_missing", None)
+    run = getattr(args, "_bench_run", None)
+    if run is None:
+        print("kvgate bench: the benchmark module kvgate.bench.cli is not available"
+              + (f" ({missing})" if missing else "") + "; install kvgate with its benchmark extras",
+              file=sys.stderr)
+        return 2
+    return int(run(args) or 0)
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    it = iter(argv)
+    for a in it:
+        if a == "--log-level":
+            next(it, None)
+        elif not a.startswith("-"):
+            return a
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    with_bench = _command_of(argv) == "bench"
+    parser = build_parser(with_bench=with_bench)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "bench":
+        return cmd_bench(parser, args, None)
+    _need_connection(parser, args)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        from kvgate.keys import validate_gate_name
+
+        validate_gate_name(args.gate)
+    except ValueError as e:
+        parser.error(str(e))
+    handler = {"poller": cmd_poller, "status": cmd_status, "top": cmd_top}[args.command]
+    return handler(parser, args, cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""HTTP residency probe: asks engines' `POST /kvgate/probe` (the vLLM plugin route, or the SGLang
+simulator's identical route) how much of a prompt's leading blocks they hold.
+
+    probe = HttpProbe(["http://e1:8000", "http://e2:8000"])          # fixed list
+    probe = HttpProbe(gate.engine_urls)                               # engines of the latest snapshot
+    probe = HttpProbe(url_for_session=lambda sid: router_pick(sid))   # the engine that serves the session
+    gate = kvgate.Gate.from_url(url, gate="g", probe=probe)
+
+Without a session mapping every engine is asked concurrently and the best answer (most cached tokens)
+wins: the router sends the session's next turn to where its prefix lives when it is prefix-aware, and a
+session whose prefix is resident nowhere has nothing to protect.  Every call is bounded by `timeout_s`
+in total; an engine that fails, times out or answers garbage is skipped, and when none answers the
+result is `ProbeResult(hit_ratio=None, detail=...)` (unavailable: the gate falls back per SPEC rule 7/8).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+
+from kvgate.integrations._common import (
+    ProbeResult, best_of, check_prompt_ids, check_session_id, check_timeout, parse_probe_payload, to_result,
+    unavailable,
+)
+
+PROBE_PATH = "/kvgate/probe"
+MAX_RESPONSE_BYTES = 64 * 1024
+
+UrlSource = Sequence[str] | Callable[[], Sequence[str]]
+
+
+def _check_url(u: Any) -> str:
+    if not isinstance(u, str) or not u.startswith(("http://", "https://")):
+        raise ValueError(f"engine base URL must be an http(s) URL string, got {u!r}")
+    return u.rstrip("/")
+
+
+class HttpProbe:
+    """Residency probe over HTTP (sync `probe()` and async `aprobe()`)."""
+
+    def __init__(self, base_urls: UrlSource | None = None, *,
+                 url_for_session: Callable[[str], str | Sequence[str] | None] | None = None,
+                 timeout_s: float = 0.5, path: str = PROBE_PATH, headers: dict[str, str] | None = None,
+                 send_session_id: bool = True):
+        if base_urls is None and url_for_session is None:
+            raise ValueError("HttpProbe needs base_urls (a list or a callable) or url_for_session")
+        if callable(base_urls) and not isinstance(base_urls, (str, list, tuple)):
+            self._urls_fn: Callable[[], Sequence[str]] | None = base_urls  # type: ignore[assignment]
+            self._urls: list[str] = []
+        else:
+            self._urls_fn = None
+            if isinstance(base_urls, str):
+                base_urls = [base_urls]
+            self._urls = [_check_url(u) for u in (base_urls or [])]
+        if url_for_session is not None and not callable(url_for_session):
+            raise ValueError("url_for_session must be callable")
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise ValueError("path must start with '/'")
+        self.url_for_session = url_for_session
+        self.timeout_s = check_timeout(timeout_s)
+        self.path = path
+        self.headers = dict(headers or {})
+        self.send_session_id = bool(send_session_id)
+        self._client: httpx.Client | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._aclients: dict[int, tuple[asyncio.AbstractEventLoop, httpx.AsyncClient]] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ which engines
+    def _targets(self, session_id: str) -> tuple[list[str], str]:
+        """Engines to ask for this session, and a note on how they were chosen."""
+        if self.url_for_session is not None:
+            picked = self.url_for_session(session_id)
+            if picked:
+                if isinstance(picked, str):
+                    picked = [picked]
+                return [_check_url(u) for u in picked], "session"
+        if self._urls_fn is not None:
+            return [_check_url(u) for u in (self._urls_fn() or [])], "all"
+        return list(self._urls), "all"
+
+    def _body(self, session_id: str, ids: list[int]) -> dict:
+        body: dict[str, Any] = {"prompt_ids": ids}
+        if self.send_session_id:
+            body["session_id"] = session_id
+        return body
+
+    # ------------------------------------------------------------------ answers
+    @staticmethod
+    def _decode(url: str, resp: httpx.Response, n: int) -> dict:
+        if resp.status_code != 200:
+            raise ValueError(f"HTTP {resp.status_code}")
+        if len(resp.content) > MAX_RESPONSE_BYTES:
+            raise ValueError("answer too large")
+        try:
+            payload = resp.json()
+        except ValueError as e:
+            raise ValueError(f"not JSON ({e.__class__.__name__})") from None
+        answer = parse_probe_payload(payload, total_tokens=n)
+        answer["url"] = url
+        return answer
+
+    def _combine(self, results: list[tuple[str, dict | str]], how: str, n: int, t0: float) -> ProbeResult:
+        good = [r for _, r in results if isinstance(r, dict)]
+        errors = [f"{u}: {r}" for u, r in results if isinstance(r, str)]
+        ms = (time.monotonic() - t0) * 1e3
+        if not good:
+            why = "; ".join(errors) if errors else "no engine to ask"
+            return unavailable(f"http probe unavailable ({how}, {ms:.1f} ms): {why}", total_tokens=n)
+        best = best_of(good)
+        detail = f"{best['url']} ({how}, best of {len(good)}/{len(results)}, {ms:.1f} ms)"
+        if errors:
+            detail += "; failed: " + "; ".join(errors)
+        return to_result(best, detail)
+
+    # ------------------------------------------------------------------ sync
+    def _sync_client(self) -> httpx.Client:
+        with self._lock:
+            if self._client is None:
+                self._client = httpx.Client(timeout=httpx.Timeout(self.timeout_s), headers=self.headers,
+                                            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
+            return self._client
+
+    def _ask_sync(self, client: httpx.Client, url: str, body: dict, n: int) -> dict | str:
+        try:
+            return self._decode(url, client.post(url + self.path, json=body), n)
+        except httpx.TimeoutException:
+            return "timeout"
+        except (httpx.HTTPError, ValueError) as e:
+            return f"{e.__class__.__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+
+    def probe(self, session_id: str, prompt_ids: Sequence[int]) -> ProbeResult:
+        check_session_id(session_id)
+        ids = check_prompt_ids(prompt_ids)
+        t0 = time.monotonic()
+        try:
+            urls, how = self._targets(session_id)
+        except Exception as e:  # noqa: BLE001 - a broken URL source is "unavailable", not a crash
+            return unavailable(f"http probe: engine list failed: {e}", total_tokens=len(ids))
+        if not urls:
+            return self._combine([], how, len(ids), t0)
+        client = self._sync_client()
+        body = self._body(session_id, ids)
+        # always through the pool: httpx timeouts are per phase/chunk, the pool wait bounds the whole call
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16,
+                                                                   thread_name_prefix="kvgate-http-probe")
+            pool = self._pool
+        futs = {u: pool.submit(self._ask_sync, client, u, body, len(ids)) for u in urls}
+        done, _ = concurrent.futures.wait(futs.values(), timeout=self.timeout_s + 0.05)
+        results = [(u, f.result() if f in done else "timeout") for u, f in futs.items()]
+        return self._combine(results, how, len(ids), t0)
+
+    # ------------------------------------------------------------------ async
+    def _async_client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        entry = self._aclients.get(id(loop))
+        if entry is None or entry[0] is not loop:
+            for key, (other, _) in list(self._aclients.items()):
+                if other.is_closed():  # a finished asyncio.run(): its client cannot be used any more
+                    del self._aclients[key]
+            entry = (loop, httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s), headers=self.headers,
+                                             limits=httpx.Limits(max_connections=64,
+                                                                 max_keepalive_connections=32)))
+            self._aclients[id(loop)] = entry
+        return entry[1]
+
+    async def _ask_async(self, client: httpx.AsyncClient, url: str, body: dict, n: int) -> dict | str:
+        try:
+            return self._decode(url, await client.post(url + self.path, json=body), n)
+        except httpx.TimeoutException:
+            return "timeout"
+        except (httpx.HTTPError, ValueError) as e:
+            return f"{e.__class__.__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+
+    async def aprobe(self, session_id: str, prompt_ids: Sequence[int]) -> ProbeResult:
+        check_session_id(session_id)
+        ids = check_prompt_ids(prompt_ids)
+        t0 = time.monotonic()
+        try:
+            urls, how = self._targets(session_id)
+        except Exception as e:  # noqa: BLE001
+            return unavailable(f"http probe: engine list failed: {e}", total_tokens=len(ids))
+        if not urls:
+            return self._combine([], how, len(ids), t0)
+        client = self._async_client()
+        body = self._body(session_id, ids)
+        tasks = [asyncio.ensure_future(self._ask_async(client, u, body, len(ids))) for u in urls]
+        done, pending = await asyncio.wait(tasks, timeout=self.timeout_s + 0.05)
+        for t in pending:
+            t.cancel()
+        results = [(u, t.result() if t in done else "timeout") for u, t in zip(urls, tasks)]
+        return self._combine(results, how, len(ids), t0)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
+
+    async def aclose(self) -> None:
+        loop = asyncio.get_running_loop()
+        entry = self._aclients.pop(id(loop), None)
+        if entry is not None:
+            await entry[1].aclose()
+        self.close()
+
+    def __enter__(self) -> "HttpProbe":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "HttpProbe":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()

@@ -1,0 +1,407 @@
+"""The poller: discovers engines, scrapes their ``/metrics``, writes capacity snapshots.
+
+One small process per gate (``kvgate poller ...``), or a library object::
+
+    poller = kvgate.poller.Poller(gate, router="http://router:30000")
+    poller.run()                      # until poller.stop() / SIGTERM (CLI)
+
+Each tick:
+
+1. leadership: take or extend the leader lease (a ``redis.lock.Lock`` on
+   ``kvgate:{gate}:poller_leader`` with ``leader_ttl_s``); a standby stops here;
+2. discover engines (router ``/workers`` -> ``/list_workers``, or the static list);
+3. scrape every engine's ``/metrics`` concurrently (bounded concurrency, an overall deadline and
+   a body-size cap per request);
+4. build one ``EngineState`` per engine (per data-parallel rank); an engine that failed its
+   scrape, answered garbage, or that the router marks unhealthy is ``healthy=False``;
+5. if at least one engine is healthy, and the lease is still ours, ``gate.write_snapshot``
+   (one atomic script; the core bumps the epoch when the healthy set changes).  When the router
+   is unreachable or no engine is healthy, *no* snapshot is written: the last one goes stale
+   and clients bypass as ``degraded`` after ``staleness_s`` (fail open);
+6. ``gate.housekeep(limit=...)`` (reclaim expired leases and windows, drop dead waiters, wake).
+
+Only the leader writes and housekeeps.  See docs/poller.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import httpx
+import redis
+from redis.exceptions import LockError, RedisError
+
+from kvgate.discovery import (
+    DEFAULT_MAX_BODY_BYTES,
+    Discovery,
+    DiscoveryError,
+    Endpoint,
+    HttpError,
+    fetch_limited,
+)
+from kvgate.promparse import EngineMetrics, MetricsParseError, RankMetrics, parse_metrics
+
+log = logging.getLogger("kvgate.poller")
+
+__all__ = ["Poller", "TickResult", "ScrapeResult", "engine_states", "leader_key"]
+
+
+def leader_key(gate_name: str) -> str:
+    try:
+        from kvgate.keys import key
+    except ImportError:  # pragma: no cover - keys.py is the lead's; same format
+        return f"kvgate:{{{gate_name}}}:poller_leader"
+    return key(gate_name, "poller_leader")
+
+
+@dataclass
+class ScrapeResult:
+    endpoint: Endpoint
+    metrics: EngineMetrics | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class TickResult:
+    """What one tick did (for tests, logs, ``kvgate status`` of the poller itself)."""
+
+    leader: bool
+    wrote: bool = False
+    reason: str = ""  # why nothing was written: standby / router_unreachable / no_healthy_engine / ...
+    states: list = field(default_factory=list)
+    scrapes: list[ScrapeResult] = field(default_factory=list)
+    snapshot: Any = None  # kvgate.SnapshotResult
+    housekeep: Any = None
+    discovery_error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def errors(self) -> dict[str, str]:
+        return {s.endpoint.url: s.error for s in self.scrapes if s.error}
+
+
+def _engine_state_cls():
+    from kvgate.snapshot import EngineState
+
+    return EngineState
+
+
+def engine_states(scrapes: Sequence[ScrapeResult], *, hit_rates: dict[str, float] | None = None,
+                  known_ids: dict[str, list[str]] | None = None) -> list:
+    """``EngineState`` list from scrape results.
+
+    One state per data-parallel rank; a single-rank engine's id is its base URL, a DP rank's id
+    is ``<url>#dp<rank>``.  A failed or unhealthy endpoint yields ``healthy=False`` states for
+    the ids it had last time (so the healthy set visibly changes), or for its URL.
+    """
+    EngineState = _engine_state_cls()
+    hit_rates = hit_rates or {}
+    known_ids = known_ids if known_ids is not None else {}
+    out = []
+    seen: set[str] = set()
+    for s in scrapes:
+        url = s.endpoint.url
+        if s.metrics is None:
+            for eid in known_ids.get(url) or [url]:
+                if eid not in seen:
+                    seen.add(eid)
+                    out.append(EngineState(engine_id=eid, capacity_tokens=0, healthy=False, url=url,
+                                           kind=_kind_guess(s)))
+            continue
+        ranks = s.metrics.ranks
+        ids = []
+        for r in ranks:
+            eid = url if len(ranks) == 1 else f"{url}#dp{r.dp_rank}"
+            if eid in seen:
+                continue
+            seen.add(eid)
+            ids.append(eid)
+            out.append(EngineState(engine_id=eid, capacity_tokens=int(r.capacity_tokens),
+                                   used_tokens=r.used_tokens, usage=r.usage, healthy=True,
+                                   hit_rate=hit_rates.get(eid, r.hit_rate), url=url, kind=r.kind))
+        known_ids[url] = ids
+    return out
+
+
+def _kind_guess(s: ScrapeResult) -> str:
+    return "vllm" if (s.endpoint.worker_type or "").startswith("vllm") else "sglang"
+
+
+def _redis_of(gate: Any) -> redis.Redis:
+    for attr in ("redis", "client", "_redis", "_client", "r"):
+        c = getattr(gate, attr, None)
+        if isinstance(c, (redis.Redis, redis.RedisCluster)):
+            return c
+    raise ValueError("cannot find the gate's redis client; pass redis=... to Poller")
+
+
+def _gate_name(gate: Any) -> str:
+    for attr in ("name", "gate", "gate_name"):
+        v = getattr(gate, attr, None)
+        if isinstance(v, str) and v:
+            return v
+    raise ValueError("cannot find the gate's name; pass name=... to Poller")
+
+
+class Poller:
+    """Discover + scrape + write snapshots for one gate; leader-elected through Redis."""
+
+    def __init__(
+        self,
+        gate: Any,
+        *,
+        router: str | None = None,
+        engines: Sequence[str] | None = None,
+        interval_s: float = 1.0,
+        http_timeout_s: float = 2.0,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        leader_ttl_s: float = 5.0,
+        concurrency: int = 32,
+        housekeep_limit: int = 100,
+        redis_client: redis.Redis | None = None,
+        name: str | None = None,
+        identity: str | None = None,
+    ) -> None:
+        for nm, v in (("interval_s", interval_s), ("http_timeout_s", http_timeout_s),
+                      ("leader_ttl_s", leader_ttl_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < float("inf")):
+                raise ValueError(f"{nm} must be a positive finite number, got {v!r}")
+        if leader_ttl_s <= interval_s:
+            raise ValueError(f"leader_ttl_s ({leader_ttl_s}) must exceed interval_s ({interval_s}), "
+                             "or the lease lapses between ticks")
+        for nm, v in (("concurrency", concurrency), ("housekeep_limit", housekeep_limit),
+                      ("max_body_bytes", max_body_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{nm} must be an int >= 1, got {v!r}")
+        self.discovery = Discovery(router=router, engines=engines, timeout_s=http_timeout_s,
+                                   max_body_bytes=max_body_bytes)
+        self.gate = gate
+        self.interval_s = float(interval_s)
+        self.http_timeout_s = float(http_timeout_s)
+        self.max_body_bytes = max_body_bytes
+        self.leader_ttl_s = float(leader_ttl_s)
+        self.concurrency = concurrency
+        self.housekeep_limit = housekeep_limit
+        self.name = name or _gate_name(gate)
+        self.redis = redis_client if redis_client is not None else _redis_of(gate)
+        self.identity = identity or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.lock = self.redis.lock(leader_key(self.name), timeout=self.leader_ttl_s,
+                                    blocking=False, thread_local=False)
+        self.is_leader = False
+        self.last: TickResult | None = None
+        self.ticks = 0
+        self.writes = 0
+        self.leader_changes = 0
+        self.scrape_errors = 0
+        self._stop = threading.Event()
+        self._known_ids: dict[str, list[str]] = {}
+        self._counters: dict[str, tuple[float, float]] = {}  # engine id -> (hits, queries)
+        self._hit_rates: dict[str, float] = {}
+
+    # -- leadership -----------------------------------------------------------------------
+    def _hold_lease(self) -> bool:
+        """Extend the lease if we hold it, else try to take it.  Redis faults -> not leader."""
+        was = self.is_leader
+        try:
+            if was:
+                try:
+                    self.lock.extend(self.leader_ttl_s, replace_ttl=True)
+                    return True
+                except LockError:
+                    self.is_leader = False  # expired (we stalled) or taken over: try again below
+            got = bool(self.lock.acquire(blocking=False, token=self.identity))
+        except RedisError as e:
+            log.warning("leader lease: redis error: %s", e)
+            got = False
+        self.is_leader = got
+        if got != was:
+            self.leader_changes += 1
+            log.info("poller %s is now %s", self.identity, "LEADER" if got else "standby")
+        return got
+
+    def leader_identity(self) -> str | None:
+        try:
+            v = self.redis.get(leader_key(self.name))
+        except RedisError:
+            return None
+        return v.decode() if isinstance(v, bytes) else v
+
+    def release(self) -> None:
+        """Give up the lease at once (graceful shutdown: a standby takes over next tick)."""
+        if self.is_leader:
+            try:
+                self.lock.release()
+            except (LockError, RedisError):
+                pass
+        self.is_leader = False
+
+    # -- one tick -------------------------------------------------------------------------
+    async def _scrape(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, ep: Endpoint) -> ScrapeResult:
+        if not ep.healthy:
+            return ScrapeResult(ep, error="router reports the worker unhealthy" +
+                                (" (draining)" if ep.draining else ""))
+        t0 = time.monotonic()
+        async with sem:
+            try:
+                body = await fetch_limited(client, ep.url + "/metrics", timeout_s=self.http_timeout_s,
+                                           max_body_bytes=self.max_body_bytes)
+                text = body.decode("utf-8", errors="replace")
+                m = parse_metrics(text)
+            except (HttpError, MetricsParseError) as e:
+                return ScrapeResult(ep, error=str(e), seconds=time.monotonic() - t0)
+            except Exception as e:  # noqa: BLE001 - a bad engine never kills the poller
+                return ScrapeResult(ep, error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
+        return ScrapeResult(ep, metrics=m, seconds=time.monotonic() - t0)
+
+    def _update_hit_rates(self, scrapes: Sequence[ScrapeResult]) -> None:
+        """Interval hit rate from vLLM's cumulative counters (delta hits / delta queries);
+        the cumulative ratio when there is no usable previous sample."""
+        for s in scrapes:
+            if s.metrics is None:
+                continue
+            ranks = s.metrics.ranks
+            for r in ranks:
+                eid = s.endpoint.url if len(ranks) == 1 else f"{s.endpoint.url}#dp{r.dp_rank}"
+                if r.prefix_cache_hits is None or r.prefix_cache_queries is None:
+                    self._hit_rates.pop(eid, None)
+                    continue
+                prev = self._counters.get(eid)
+                self._counters[eid] = (r.prefix_cache_hits, r.prefix_cache_queries)
+                if prev is not None:
+                    dh, dq = r.prefix_cache_hits - prev[0], r.prefix_cache_queries - prev[1]
+                    if dq > 0 and 0 <= dh <= dq:
+                        self._hit_rates[eid] = dh / dq
+                        continue
+                    if dq == 0 and eid in self._hit_rates:
+                        continue  # idle interval: keep the last rate
+                if r.hit_rate is not None:
+                    self._hit_rates[eid] = r.hit_rate
+                else:
+                    self._hit_rates.pop(eid, None)
+
+    async def atick(self, client: httpx.AsyncClient | None = None) -> TickResult:
+        t0 = time.monotonic()
+        self.ticks += 1
+        if not self._hold_lease():
+            res = TickResult(leader=False, reason="standby", seconds=time.monotonic() - t0)
+            self.last = res
+            return res
+        own = client is None
+        if own:
+            client = httpx.AsyncClient(trust_env=False)
+        try:
+            res = await self._lead_tick(client)
+        finally:
+            if own:
+                await client.aclose()
+        res.seconds = time.monotonic() - t0
+        self.last = res
+        return res
+
+    async def _lead_tick(self, client: httpx.AsyncClient) -> TickResult:
+        res = TickResult(leader=True)
+        try:
+            endpoints = await self.discovery.discover(client)
+        except DiscoveryError as e:
+            res.discovery_error = str(e)
+            res.reason = "router_unreachable"
+            log.warning("%s", e)
+            self._housekeep(res)
+            return res
+        sem = asyncio.Semaphore(self.concurrency)
+        scrapes = list(await asyncio.gather(*(self._scrape(client, sem, ep) for ep in endpoints)))
+        res.scrapes = scrapes
+        self.scrape_errors += sum(1 for s in scrapes if s.error)
+        for s in scrapes:
+            if s.error:
+                log.info("engine %s unhealthy this round: %s", s.endpoint.url, s.error)
+        self._update_hit_rates(scrapes)
+        res.states = engine_states(scrapes, hit_rates=self._hit_rates, known_ids=self._known_ids)
+        if not any(st.healthy for st in res.states):
+            res.reason = "no_healthy_engine" if endpoints else "no_engines"
+            self._housekeep(res)
+            return res
+        # Fence: scraping took time; write only if the lease is still ours.
+        if not self._hold_lease():
+            res.leader = False
+            res.reason = "lost_lease"
+            return res
+        try:
+            res.snapshot = self.gate.write_snapshot(res.states)
+            res.wrote = True
+            self.writes += 1
+        except (RedisError, OSError) as e:
+            res.reason = f"write_failed: {e}"
+            log.warning("write_snapshot failed: %s", e)
+        self._housekeep(res)
+        return res
+
+    def _housekeep(self, res: TickResult) -> None:
+        try:
+            res.housekeep = self.gate.housekeep(limit=self.housekeep_limit)
+        except (RedisError, OSError) as e:
+            log.warning("housekeep failed: %s", e)
+        except TypeError:  # a gate whose housekeep takes no limit
+            res.housekeep = self.gate.housekeep()
+
+    def tick(self) -> TickResult:
+        """One synchronous tick (own event loop)."""
+        return asyncio.run(self.atick())
+
+    # -- loop -----------------------------------------------------------------------------
+    async def arun(self, *, max_ticks: int | None = None) -> None:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            next_at = time.monotonic()
+            n = 0
+            try:
+                while not self._stop.is_set():
+                    try:
+                        await self.atick(client)
+                    except Exception:  # noqa: BLE001 - the loop survives anything a tick throws
+                        log.exception("poller tick failed")
+                    n += 1
+                    if max_ticks is not None and n >= max_ticks:
+                        break
+                    next_at += self.interval_s
+                    delay = next_at - time.monotonic()
+                    if delay < 0:  # overran: do not burst to catch up
+                        next_at = time.monotonic()
+                        delay = 0
+                    await self._sleep(delay)
+            finally:
+                self.release()
+
+    async def _sleep(self, delay: float) -> None:
+        """Sleep up to ``delay`` seconds, waking early when :meth:`stop` is called."""
+        end = time.monotonic() + delay
+        while not self._stop.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(left, 0.05))
+
+    def run(self, *, max_ticks: int | None = None) -> None:
+        """Tick every ``interval_s`` until :meth:`stop` (or ``max_ticks``); releases the lease
+        on the way out."""
+        asyncio.run(self.arun(max_ticks=max_ticks))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def status(self) -> dict:
+        last = self.last
+        return {
+            "identity": self.identity, "leader": self.is_leader, "ticks": self.ticks,
+            "writes": self.writes, "leader_changes": self.leader_changes,
+            "scrape_errors": self.scrape_errors,
+            "last_reason": last.reason if last else None,
+            "last_errors": last.errors if last else {},
+        }

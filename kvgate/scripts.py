@@ -1,0 +1,64 @@
+"""Loading kvgate's Lua scripts.
+
+The scripts live in ``lua/`` at the project root and ship inside the wheel as
+``kvgate/lua`` (hatch force-include). Each script file may pull shared helpers from
+``lua/includes/`` with a line ``--@include name``; the loader inlines each include once,
+in order, so a script is one self-contained chunk that Redis caches by SHA.
+
+Scripts are called through redis-py's ``Script`` objects: EVALSHA first, and on NOSCRIPT
+(after ``SCRIPT FLUSH`` or a Redis restart) the script is loaded again transparently.
+"""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+INCLUDE_RE = re.compile(r"^--@include\s+([A-Za-z0-9_]+)\s*$", re.M)
+
+#: Every script kvgate calls, by file stem.
+SCRIPT_NAMES = ("acquire", "release", "cancel", "finish_session", "housekeep",
+                "write_snapshot", "bump_epoch", "drain_stats")
+
+
+def lua_dir() -> Path:
+    """Where the scripts are: the wheel's ``kvgate/lua``, else the source tree's ``lua/``."""
+    shipped = resources.files("kvgate") / "lua"
+    if shipped.is_dir():
+        return Path(str(shipped))
+    src = Path(__file__).resolve().parent.parent / "lua"
+    if src.is_dir():
+        return src
+    raise FileNotFoundError("kvgate Lua scripts not found (neither kvgate/lua nor ../lua)")
+
+
+def render(source: str, read_include, _seen: set[str] | None = None) -> str:
+    """Inline ``--@include name`` lines, each include at most once (includes may include)."""
+    seen = set() if _seen is None else _seen
+
+    def sub(m: re.Match) -> str:
+        name = m.group(1)
+        if name in seen:
+            return f"-- (include {name}: already inlined)"
+        seen.add(name)
+        body = read_include(name)
+        return f"-- >>> include {name}\n{render(body, read_include, seen)}\n-- <<< include {name}"
+
+    return INCLUDE_RE.sub(sub, source)
+
+
+@lru_cache(maxsize=None)
+def script_source(name: str, directory: str | None = None) -> str:
+    """The full text of script ``name`` with its includes inlined."""
+    if name not in SCRIPT_NAMES:
+        raise ValueError(f"unknown kvgate script {name!r}; known: {', '.join(SCRIPT_NAMES)}")
+    base = Path(directory) if directory else lua_dir()
+
+    def read_include(inc: str) -> str:
+        path = base / "includes" / f"{inc}.lua"
+        if not path.is_file():
+            raise FileNotFoundError(f"script {name}: include {inc!r} not found at {path}")
+        return path.read_text()
+
+    return render((base / f"{name}.lua").read_text(), read_include)

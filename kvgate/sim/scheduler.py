@@ -1,0 +1,471 @@
+"""Scheduler model of one SGLang scheduler (one DP rank), sans I/O.
+
+The driver (``kvgate.sim.engine``) calls :meth:`RankScheduler.begin_iteration`,
+sleeps ``iteration.duration_s * time_scale`` and then calls
+:meth:`RankScheduler.end_iteration`; all state changes happen inside those two
+calls (and in submit / abort / close_session), so the model is deterministic and
+testable with no clock at all.
+
+What one iteration is, as in SGLang's event loop (``get_next_batch_to_run``):
+
+* if queued requests fit, a **prefill** batch: FCFS from the head of the queue,
+  stopping at the first request that does not fit (head-of-line, like SGLang's
+  ``PrefillAdder``), bounded by ``max_running_requests`` and by
+  ``max_prefill_tokens`` uncached tokens (the first request of a batch is always
+  taken; SGLang would chunk it, the total time is the same).  Cost:
+  ``prefill_base_s + uncached_tokens * prefill_s_per_token``.  Produces each
+  request's first token.
+* otherwise one **decode** step for the whole running batch: cost
+  ``decode_step_base_s + decode_step_per_seq_s * batch + decode_s_per_kv_token *
+  tokens_in_batch``.  Before the step, requests whose next token crosses a block
+  boundary get one more block (evicting LRU cached blocks); if the pool has
+  nothing free or evictable, the newest running request is retracted to the head
+  of the queue, its KV freed and its progress recomputed on re-admission, as
+  SGLang's ``retract_decode``.
+
+Admission uses SGLang's token budget: free + evictable tokens, minus
+``new_token_ratio`` x the remaining decode budget of running requests, must cover
+the new request's uncached prompt plus its remaining ``max_new_tokens``.
+``new_token_ratio`` starts at 0.7, decays per decode step to 0.7*0.14 over 600
+steps and jumps back to 0.7 on a retraction (SGLang's defaults).
+
+Per-request work is O(blocks of that request); per decode step the work is
+O(requests that cross a block boundary or finish in that step), via buckets
+keyed by step number, never O(running batch) or O(cache).
+"""
+from __future__ import annotations
+
+import random
+from collections import defaultdict, deque
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+from .cache import ROOT_HASH, PrefixCache, block_hashes
+from .profile import Profile
+
+WAITING, PREFILL, RUNNING, DONE = "waiting", "prefill", "running", "done"
+_CLIP_MAX_NEW_TOKENS = 4096  # SGLang's CLIP_MAX_NEW_TOKENS_ESTIMATION
+_HIT_WINDOW = 32
+
+
+def output_tokens(digest: int, n: int, vocab_size: int) -> List[int]:
+    """Deterministic output ids: the first ``n`` draws of a PRNG seeded by the prompt digest.
+
+    Token ``i`` depends only on (prompt, i), so a retracted request regenerates the
+    same prefix and two runs of the same rollout see the same histories.
+    """
+    if n <= 0:
+        return []
+    return random.Random(digest).choices(range(vocab_size), k=n)
+
+
+class Req:
+    """One generate request inside a scheduler."""
+
+    __slots__ = ("rid", "input_ids", "prompt_len", "max_new", "session_id", "session_epoch",
+                 "digest", "hashes", "fill_len", "hit", "held", "gen", "base", "epoch", "state",
+                 "cached_tokens", "retractions", "admitted", "on_done", "output_ids",
+                 "finish_reason", "t_submit", "t_first", "t_done", "seq", "aborted")
+
+    def __init__(self, rid: str, input_ids: List[int], max_new_tokens: int,
+                 session_id: Optional[str] = None,
+                 on_done: Optional[Callable[["Req"], None]] = None) -> None:
+        self.rid = rid
+        self.input_ids = input_ids
+        self.prompt_len = len(input_ids)
+        self.max_new = max_new_tokens
+        self.session_id = session_id
+        self.session_epoch = 0
+        self.digest = hash(tuple(input_ids))
+        self.hashes: Optional[List[int]] = None   # full-block hashes of the fill tokens
+        self.fill_len = self.prompt_len          # tokens to (re)compute: prompt + generated
+        self.hit = 0                             # leading cached blocks at admission
+        self.held = 0                            # blocks held: hit refs + private
+        self.gen = 0                             # tokens generated so far (while not running)
+        self.base = 0                            # gen(step) = base + step while running
+        self.epoch = 0                           # invalidates stale step events
+        self.state = WAITING
+        self.cached_tokens = 0                   # hit of the first admission (meta_info)
+        self.retractions = 0
+        self.admitted = False
+        self.on_done = on_done
+        self.output_ids: List[int] = []
+        self.finish_reason: Dict[str, object] = {}
+        self.t_submit = 0.0                      # engine clock
+        self.t_first = 0.0
+        self.t_done = 0.0
+        self.seq = 0
+        self.aborted = False
+
+
+class Iteration:
+    __slots__ = ("kind", "duration_s", "batch", "uncached_tokens")
+
+    def __init__(self, kind: str, duration_s: float, batch: Sequence[Req] = (),
+                 uncached_tokens: int = 0) -> None:
+        self.kind = kind
+        self.duration_s = duration_s
+        self.batch = batch
+        self.uncached_tokens = uncached_tokens
+
+
+class RankScheduler:
+    """KV pool, prefix cache, queue and running batch of one DP rank."""
+
+    def __init__(self, profile: Profile, session_radix_cache: bool = False) -> None:
+        self.profile = profile
+        self.B = profile.block_size
+        self.cache = PrefixCache(profile.kv_capacity_tokens, profile.block_size)
+        self.session_radix_cache = session_radix_cache
+        self.waiting: Deque[Req] = deque()
+        self.running: Dict[str, Req] = {}        # admission order; newest last
+        self.by_rid: Dict[str, Req] = {}
+        self.step = 0                            # decode steps so far
+        self.clock = 0.0                         # engine seconds elapsed (sum of iterations)
+        self._grow_at: Dict[int, List[Tuple[Req, int]]] = defaultdict(list)
+        self._finish_at: Dict[int, List[Tuple[Req, int]]] = defaultdict(list)
+        self._sum_max_new = 0
+        self._sum_base = 0
+        self._sum_prompt = 0
+        self._inflight: Optional[Iteration] = None
+        self._abort_pending: List[Req] = []
+        self._seq = 0
+        init = profile.init_new_token_ratio
+        self._ratio_init = init
+        self._ratio_min = init * profile.min_new_token_ratio_factor
+        self._ratio_decay = (init - self._ratio_min) / profile.new_token_ratio_decay_steps
+        self.new_token_ratio = init
+        # sessions (session radix cache): session id -> pinned block hashes
+        self.sessions: Dict[str, List[int]] = {}
+        self._session_epoch: Dict[str, int] = {}
+        # counters (monotonic)
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.generation_tokens = 0
+        self.num_requests = 0
+        self.num_aborted = 0
+        self.retractions = 0
+        self.retracted_input_tokens = 0
+        self.retracted_output_tokens = 0
+        self.prefill_computed_tokens = 0
+        self.last_retracted = 0
+        self._hits: Deque[Tuple[int, int]] = deque()
+        self._hit_sum = 0
+        self._tok_sum = 0
+
+    # ------------------------------------------------------------------ views
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self.waiting)
+
+    def gen_of(self, r: Req) -> int:
+        return r.base + self.step if r.state == RUNNING else r.gen
+
+    def remaining_decode_tokens(self) -> int:
+        return self._sum_max_new - (self._sum_base + len(self.running) * self.step)
+
+    def kv_tokens_in_batch(self) -> int:
+        return self._sum_prompt + self._sum_base + len(self.running) * self.step
+
+    def cache_hit_rate(self) -> float:
+        return self._hit_sum / self._tok_sum if self._tok_sum else 0.0
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def probe(self, prompt_ids: Sequence[int]) -> Tuple[int, int]:
+        """(leading cached full blocks, full blocks) of a prompt. Read-only."""
+        hashes = block_hashes(prompt_ids, self.B)
+        return self.cache.match(hashes), len(hashes)
+
+    # --------------------------------------------------------------- requests
+    def submit(self, r: Req) -> None:
+        if r.rid in self.by_rid:
+            raise ValueError(f"duplicate rid {r.rid!r}")
+        if r.session_id is not None:
+            r.session_epoch = self._session_epoch.get(r.session_id, 0)
+        r.t_submit = self.clock
+        self._seq += 1
+        r.seq = self._seq
+        r.state = WAITING
+        self.by_rid[r.rid] = r
+        self.waiting.append(r)
+
+    def abort(self, rid: str) -> bool:
+        r = self.by_rid.get(rid)
+        if r is None or r.state == DONE:
+            return False
+        if r.state == WAITING:
+            self.waiting.remove(r)
+            self._finish(r, {"type": "abort", "message": "Abort request"}, aborted=True)
+        elif self._inflight is not None:
+            if not r.aborted:
+                r.aborted = True
+                self._abort_pending.append(r)
+        else:
+            self._drop_running(r)
+            self._finish(r, {"type": "abort", "message": "Abort request"}, aborted=True)
+        return True
+
+    def abort_all(self, message: str = "engine stopped") -> None:
+        for r in list(self.by_rid.values()):
+            if r.state == WAITING:
+                self.waiting.remove(r)
+            elif r.state in (RUNNING, PREFILL):
+                self._drop_running(r)
+            self._finish(r, {"type": "abort", "message": message}, aborted=True)
+
+    def close_session(self, session_id: str) -> bool:
+        """Drop a session's pins: its KV returns to LRU eviction. Idempotent."""
+        self._session_epoch[session_id] = self._session_epoch.get(session_id, 0) + 1
+        pins = self.sessions.pop(session_id, None)
+        if pins:
+            self.cache.release(pins)
+            return True
+        return False
+
+    # -------------------------------------------------------------- iteration
+    def begin_iteration(self) -> Optional[Iteration]:
+        if self._inflight is not None:
+            raise RuntimeError("begin_iteration called twice without end_iteration")
+        for _ in range(3):
+            batch, uncached = self._build_prefill_batch()
+            if batch:
+                p = self.profile
+                it = Iteration("prefill", p.prefill_base_s + uncached * p.prefill_s_per_token,
+                               batch, uncached)
+                self._inflight = it
+                return it
+            if not self.running:
+                return None
+            self._grow_for_next_step()
+            if self.running:
+                p = self.profile
+                dur = (p.decode_step_base_s + p.decode_step_per_seq_s * len(self.running)
+                       + p.decode_s_per_kv_token * self.kv_tokens_in_batch())
+                it = Iteration("decode", dur)
+                self._inflight = it
+                return it
+            # every running request was retracted: try a prefill again
+        return None
+
+    def end_iteration(self, it: Iteration) -> List[Req]:
+        if it is not self._inflight:
+            raise RuntimeError("end_iteration for an iteration that is not in flight")
+        self._inflight = None
+        self.clock += it.duration_s
+        done: List[Req] = []
+        if it.kind == "prefill":
+            for r in it.batch:
+                self._prefill_done(r, done)
+        else:
+            self.step += 1
+            self.new_token_ratio = max(self._ratio_min, self.new_token_ratio - self._ratio_decay)
+            for r, ep in self._finish_at.pop(self.step, ()):
+                if r.epoch == ep and r.state == RUNNING and not r.aborted:
+                    self._complete(r)
+                    done.append(r)
+        if self._abort_pending:
+            pend, self._abort_pending = self._abort_pending, []
+            for r in pend:
+                if r.state in (RUNNING, PREFILL):
+                    self._drop_running(r)
+                    self._finish(r, {"type": "abort", "message": "Abort request"}, aborted=True)
+                    done.append(r)
+        return done
+
+    # ---------------------------------------------------------------- prefill
+    def _fill_tokens(self, r: Req) -> List[int]:
+        if r.gen == 0:
+            return r.input_ids
+        return r.input_ids + output_tokens(r.digest, r.gen, self.profile.vocab_size)
+
+    def _build_prefill_batch(self) -> Tuple[List[Req], int]:
+        if not self.waiting:
+            return [], 0
+        p, B, cache = self.profile, self.B, self.cache
+        batch: List[Req] = []
+        uncached_total = 0
+        budget = p.max_prefill_tokens
+        reserved_batch = 0
+        running_reserve = self.new_token_ratio * self.remaining_decode_tokens()
+        while self.waiting and len(self.running) + len(batch) < p.max_running_requests:
+            r = self.waiting[0]
+            if r.hashes is None:
+                r.hashes = block_hashes(self._fill_tokens(r), B)
+            k = cache.match(r.hashes)
+            uncached = r.fill_len - k * B
+            if batch and uncached > budget:
+                break
+            need = -(-(r.fill_len + 1) // B) - k
+            pinned = cache.evictable_among(r.hashes[:k]) if k else 0
+            avail = cache.available_blocks() - pinned
+            if need > avail:
+                break
+            reserve = min(max(r.max_new - r.gen, 0), _CLIP_MAX_NEW_TOKENS)
+            if (batch or self.running) and (
+                    (need + pinned) * B + reserve
+                    > cache.available_blocks() * B - running_reserve - reserved_batch):
+                break
+            self.waiting.popleft()
+            if k:
+                cache.acquire(r.hashes[:k])
+            ok = cache.alloc_private(need)
+            assert ok
+            r.hit, r.held = k, k + need
+            if not r.admitted:
+                r.admitted = True
+                r.cached_tokens = k * B
+            r.state = PREFILL
+            r.epoch += 1
+            batch.append(r)
+            reserved_batch += reserve
+            uncached_total += uncached
+            budget -= uncached
+        return batch, uncached_total
+
+    def _prefill_done(self, r: Req, done: List[Req]) -> None:
+        if r.aborted or r.state != PREFILL:
+            return  # handled by the abort path
+        hashes = r.hashes
+        self.cache.commit(hashes[r.hit:])
+        self.prefill_computed_tokens += r.fill_len - r.hit * self.B
+        if r.retractions == 0:
+            self._record_hit(r.cached_tokens, r.prompt_len)
+            r.t_first = self.clock
+        if r.max_new > 0:
+            r.gen += 1
+        r.state = RUNNING
+        r.base = r.gen - self.step
+        self.running[r.rid] = r
+        self._sum_max_new += r.max_new
+        self._sum_base += r.base
+        self._sum_prompt += r.prompt_len
+        if r.gen >= r.max_new:
+            self._complete(r)
+            done.append(r)
+            return
+        self._finish_at[r.max_new - r.base].append((r, r.epoch))
+        self._schedule_growth(r)
+
+    def _schedule_growth(self, r: Req) -> None:
+        # the step whose token no longer fits in the blocks held
+        s_grow = r.held * self.B - r.prompt_len + 1 - r.base
+        if s_grow <= r.max_new - r.base:
+            self._grow_at[max(s_grow, self.step + 1)].append((r, r.epoch))
+
+    # ----------------------------------------------------------------- decode
+    def _grow_for_next_step(self) -> None:
+        s1 = self.step + 1
+        events = self._grow_at.pop(s1, None)
+        if not events:
+            return
+        cache = self.cache
+        for r, ep in events:
+            if r.epoch != ep or r.state != RUNNING:
+                continue
+            while not cache.alloc_private(1):
+                victim = next(reversed(self.running.values()))
+                self._retract(victim)
+                if victim is r or not self.running:
+                    break
+            if r.state == RUNNING:
+                r.held += 1
+                self._schedule_growth(r)
+
+    def _retract(self, r: Req) -> None:
+        gen = r.base + self.step
+        self._drop_running(r)
+        self.retractions += 1
+        self.last_retracted += 1
+        self.retracted_input_tokens += r.prompt_len
+        self.retracted_output_tokens += gen
+        r.gen = gen
+        r.fill_len = r.prompt_len + gen
+        r.hashes = None
+        r.retractions += 1
+        r.state = WAITING
+        self.waiting.appendleft(r)
+        self.new_token_ratio = self._ratio_init
+
+    def _drop_running(self, r: Req) -> None:
+        """Free everything a running/prefilling request holds (no cache insertion)."""
+        cache = self.cache
+        if r.state == RUNNING:
+            r.gen = r.base + self.step
+            del self.running[r.rid]
+            self._sum_max_new -= r.max_new
+            self._sum_base -= r.base
+            self._sum_prompt -= r.prompt_len
+            committed = len(r.hashes)
+        else:  # PREFILL: only the hit blocks are cached yet
+            committed = r.hit
+        cache.free_private(r.held - committed)
+        cache.release(r.hashes[:committed])
+        r.epoch += 1
+        r.held = 0
+
+    # ----------------------------------------------------------------- finish
+    def _complete(self, r: Req) -> None:
+        """Finished by length: cache prompt + output[:-1] and release."""
+        B, cache = self.B, self.cache
+        out = output_tokens(r.digest, r.max_new, self.profile.vocab_size)
+        hashes = r.hashes
+        seq_len = r.prompt_len + max(r.max_new - 1, 0)
+        start = len(hashes) * B
+        new: List[int] = []
+        if seq_len - start >= B:
+            seq = r.input_ids + out[:max(r.max_new - 1, 0)]
+            new = block_hashes(seq, B, parent=hashes[-1] if hashes else ROOT_HASH, start=start)
+        del self.running[r.rid]
+        self._sum_max_new -= r.max_new
+        self._sum_base -= r.base
+        self._sum_prompt -= r.prompt_len
+        cache.commit(new)
+        cache.free_private(r.held - len(hashes) - len(new))
+        all_h = hashes + new if new else hashes
+        sid = r.session_id
+        if (self.session_radix_cache and sid is not None
+                and self._session_epoch.get(sid, 0) == r.session_epoch):
+            cache.acquire(all_h)
+            old = self.sessions.get(sid)
+            self.sessions[sid] = all_h
+            if old:
+                cache.release(old)
+        cache.release(all_h)
+        r.held = 0
+        r.gen = r.max_new
+        r.epoch += 1
+        r.output_ids = out
+        self.prompt_tokens += r.prompt_len
+        self.cached_tokens += r.cached_tokens
+        self.generation_tokens += r.max_new
+        self.num_requests += 1
+        self._finish(r, {"type": "length", "length": r.max_new})
+
+    def _finish(self, r: Req, reason: Dict[str, object], aborted: bool = False) -> None:
+        r.state = DONE
+        r.finish_reason = reason
+        r.t_done = self.clock
+        self.by_rid.pop(r.rid, None)
+        if aborted:
+            r.aborted = True
+            self.num_aborted += 1
+            if not r.output_ids and r.gen:
+                r.output_ids = output_tokens(r.digest, r.gen, self.profile.vocab_size)
+        cb = r.on_done
+        if cb is not None:
+            r.on_done = None
+            cb(r)
+
+    def _record_hit(self, hit: int, total: int) -> None:
+        self._hits.append((hit, total))
+        self._hit_sum += hit
+        self._tok_sum += total
+        if len(self._hits) > _HIT_WINDOW:
+            h, t = self._hits.popleft()
+            self._hit_sum -= h
+            self._tok_sum -= t

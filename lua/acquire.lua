@@ -1,0 +1,162 @@
+--[[
+  acquire.lua: decide one attempt (ticket) of one turn: rules 2-9 of the decision table.
+  Called for a new attempt and again for every re-check of a waiting one.
+
+  KEYS: see includes/common.lua (the 13 gate keys).
+  ARGV[1] now ms or "" (server TIME); ARGV[2] JSON:
+    ticket (str), session (str), need (int tokens = prompt + capped decode budget),
+    protected (0/1), retain (0/1 open an ownership window when admitted under pressure),
+    probe (float): -1 not probed yet, -2 probe unavailable / not configured, else hit ratio 0..1,
+    adm, res, hw, pt, hit (hit_threshold), headroom, stale_ms, ttl_ms, grace_ms, claim_ms,
+    max_wait_ms (aging), alive_ms (a waiter's liveness extension), reap (bounded work), ch (channel).
+  Returns JSON {o=outcome, r=reason, w=waited ms, t=charged tokens, ep=epoch, pos=FIFO position}
+    o = "admit" | "bypass" | "wait" | "probe" (enqueued; probe and call again) | "preempted"
+  Publishes: "p <ticket>" when it preempts an older waiting attempt of the same session,
+    "g <ticket>" for FIFO heads granted by the bounded advance.
+]]
+--@include common
+--@include state
+
+local ticket, session, need = P.ticket, P.session, math.floor(num(P.need, 0))
+
+local function out(o, r, extra)
+  local res = { o = o, r = r, ep = epoch() }
+  if extra then for k, v in pairs(extra) do res[k] = v end end
+  return cjson.encode(res)
+end
+
+reap(num(P.reap, 8))
+
+-- rule 4 first: a ticket that holds a lease gets the same lease, charged once (this also
+-- claims a lease granted to it from the FIFO while it waited)
+local l = jget(K.leases, ticket)
+if l then
+  if l.c == 1 then
+    l.c = 0
+    jset(K.leases, ticket, l)
+    redis.call("ZADD", K.lease_exp, I(NOW + num(P.ttl_ms, 600000)), ticket)
+  end
+  return out("admit", l.r, { w = l.a - l.e, t = l.t + 0, held = 1 })
+end
+
+local w = jget(K.waiters, ticket)
+if w and w.st ~= "w" then
+  drop_waiter(ticket, w)
+  return out("preempted", w.st == "f" and "session_finished" or "preempted")
+end
+
+-- rule 2: protected work never waits
+if P.protected == 1 then
+  if w then drop_waiter(ticket, w) end
+  stat("bypass"); stat("bypass_protected")
+  return out("bypass", "protected")
+end
+
+-- rule 3: no fresh snapshot (or no healthy engine) -> degraded bypass
+local snap = snapshot()
+if not snap.fresh then
+  if w then drop_waiter(ticket, w) end
+  stat("bypass"); stat("bypass_degraded")
+  return out("bypass", "degraded")
+end
+
+-- a new attempt preempts the older waiting attempt of its session and takes its place
+local seq = nil
+if not w then
+  local old = redis.call("HGET", K.session_waiter, session)
+  if old and old ~= ticket then
+    local ow = jget(K.waiters, old)
+    if ow and ow.st == "w" then
+      ow.q = tonumber(redis.call("ZSCORE", K.fifo, old))
+      redis.call("ZREM", K.fifo, old)
+      ow.st = "p"
+      jset(K.waiters, old, ow)
+      redis.call("HINCRBY", K.preempted, session, 1)
+      stat("preempted")
+      publish("p " .. old)
+    end
+    -- inherit the superseded attempt's FIFO place (also after a probe round trip)
+    if ow and ow.q then seq = ow.q end
+  end
+end
+
+local function admitted(reason, win_mode)
+  local enq = nil
+  if w then
+    enq = w.e
+    drop_waiter(ticket, w)
+  end
+  local g = grant(ticket, session, need, reason, enq, win_mode, false)
+  advance(num(P.reap, 8), snap)
+  return out("admit", reason, { w = g.a - g.e, t = g.t })
+end
+
+-- rule 5: the session owns a live ownership window
+if P.res == 1 and live_window(session) then
+  return admitted("reserved_session", "join")
+end
+
+-- rule 6: nobody older waits and the turn fits every band of the features that are on
+local older = false
+if w then
+  older = redis.call("ZRANGE", K.fifo, 0, 0)[1] ~= ticket
+else
+  older = redis.call("ZCARD", K.fifo) > 0
+end
+local blocked = block_reason(snap, need)
+if not older and blocked == nil then
+  return admitted("open", nil)
+end
+
+local win_mode = nil
+if P.retain == 1 then win_mode = "open" end
+local probe = num(P.probe, -2)
+local band = P.res == 1 and (P.adm ~= 1 or snap.usage < P.pt)
+
+if band then
+  -- rule 7: the probe says this prompt's prefix is resident
+  if probe >= 0 and probe >= num(P.hit, 0.8) then
+    return admitted("resident_prefix", win_mode)
+  end
+  -- rule 8: residency alone fails open when no probe answers (with admission on, a failed
+  -- probe falls through to the ledger's answer: wait)
+  if P.adm ~= 1 and probe == -2 then
+    return admitted("prefix_probe_unavailable", win_mode)
+  end
+end
+
+-- rule 9: wait in the global FIFO, or bypass once older than max_wait
+local reason = blocked or "queued"
+local max_wait = num(P.max_wait_ms, 30000)
+if (w and NOW - w.e >= max_wait) or (not w and max_wait <= 0) then
+  if w then drop_waiter(ticket, w) end
+  stat("bypass"); stat("bypass_aged")
+  return out("bypass", "aged", { w = w and (NOW - w.e) or 0 })
+end
+if band and probe == -1 then
+  -- rules 1-6 did not decide and a probe could: ask the caller to probe, then call again
+  return out("probe", reason)
+end
+if not w then
+  if seq == nil then seq = redis.call("HINCRBY", K.ledger, "seq", 1) end
+  w = { s = session, n = need, e = NOW, st = "w" }
+  jset(K.waiters, ticket, w)
+  redis.call("ZADD", K.fifo, I(seq), ticket)
+  redis.call("HSET", K.session_waiter, session, ticket)
+  stat("wait")
+  stat("wait_" .. reason)
+elseif w.n ~= need then
+  w.n = need
+  jset(K.waiters, ticket, w)
+end
+redis.call("ZADD", K.alive, I(NOW + num(P.alive_ms, 11000)), ticket)
+-- let heads that fit go first (bounded); this ticket may be one of them
+advance(num(P.reap, 8), snap)
+local g = jget(K.leases, ticket)
+if g then
+  g.c = 0
+  jset(K.leases, ticket, g)
+  redis.call("ZADD", K.lease_exp, I(NOW + num(P.ttl_ms, 600000)), ticket)
+  return out("admit", g.r, { w = g.a - g.e, t = g.t })
+end
+return out("wait", reason, { w = NOW - w.e, pos = redis.call("ZRANK", K.fifo, ticket) })

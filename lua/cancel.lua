@@ -1,0 +1,33 @@
+--[[
+  cancel.lua: the caller gave up on an attempt (asyncio cancel, timeout, abort event).
+  Atomically removes its waiter, or releases the lease granted to it concurrently, so a
+  cancel racing a grant never leaks a reservation.
+
+  KEYS: the 13 gate keys (includes/common.lua).
+  ARGV[1] now ms or ""; ARGV[2] JSON: ticket (str), aged (0/1: the caller's own clock aged
+    the wait out; counted as an aged bypass, not a cancel), plus the knobs of release.lua.
+  Returns JSON {removed="waiter"|"lease"|"none"}
+  Publishes "g <ticket>" for each FIFO head granted after the removal.
+]]
+--@include common
+--@include state
+
+local removed = "none"
+local w = jget(K.waiters, P.ticket)
+if w then
+  drop_waiter(P.ticket, w)
+  if w.st == "w" then
+    removed = "waiter"
+    if P.aged == 1 then
+      stat("bypass"); stat("bypass_aged")
+    else
+      stat("cancelled")
+    end
+  end
+end
+if free_lease(P.ticket) then
+  removed = "lease"
+  stat("cancelled")
+end
+advance(num(P.reap, 8), nil)
+return cjson.encode({ removed = removed })

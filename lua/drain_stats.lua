@@ -1,0 +1,24 @@
+--[[
+  drain_stats.lua: read and reset the step window of counters (one rollout step), together
+  with the ledger's current state, atomically.
+
+  KEYS: the 13 gate keys (includes/common.lua).
+  ARGV[1] now ms or ""; ARGV[2] JSON: drain (0/1 reset the window), stale_ms.
+  Returns JSON {stats={field=value...}, reserved, epoch, leases, waiting, windows,
+    capacity, usage, hit_rate, snapshot_age_ms (-1 when none), n_healthy}
+]]
+--@include common
+
+local flat = redis.call("HGETALL", K.stats)
+local st = {}
+for i = 1, #flat, 2 do st[flat[i]] = flat[i + 1] end
+if P.drain == 1 then redis.call("DEL", K.stats) end
+local v = redis.call("HMGET", K.snapshot, "ts_ms", "capacity", "usage", "hit_rate", "n_healthy")
+local age = -1
+if v[1] then age = NOW - tonumber(v[1]) end
+return cjson.encode({
+  stats = st, reserved = reserved(), epoch = epoch(),
+  leases = redis.call("ZCARD", K.lease_exp), waiting = redis.call("ZCARD", K.fifo),
+  windows = redis.call("HLEN", K.windows), capacity = num(v[2], 0), usage = num(v[3], 0),
+  hit_rate = num(v[4], -1), snapshot_age_ms = age, n_healthy = num(v[5], 0), now = NOW,
+})

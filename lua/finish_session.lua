@@ -1,0 +1,37 @@
+--[[
+  finish_session.lua: a session is done. Ends its ownership window (returning the
+  window's charge), stops its waiting attempt (it raises Preempted with reason
+  "session_finished"), forgets its preemption count, and advances the FIFO.
+
+  KEYS: the 13 gate keys (includes/common.lua).
+  ARGV[1] now ms or ""; ARGV[2] JSON: session (str), plus the knobs of release.lua.
+  Returns JSON {window=0|1, freed=<tokens returned>, stopped=<ticket or "">, num_preempted=<int>}
+  Publishes "p <ticket>" for the stopped attempt, "g <ticket>" for FIFO grants.
+]]
+--@include common
+--@include state
+
+local s = P.session
+local res = { window = 0, freed = 0, stopped = "", num_preempted = num(redis.call("HGET", K.preempted, s), 0) }
+local win = jget(K.windows, s)
+if win then
+  end_window(s, win)
+  res.window = 1
+  res.freed = win.t
+end
+local t = redis.call("HGET", K.session_waiter, s)
+if t then
+  local w = jget(K.waiters, t)
+  if w and w.st == "w" then
+    redis.call("ZREM", K.fifo, t)
+    w.st = "f"
+    jset(K.waiters, t, w)
+    res.stopped = t
+    publish("p " .. t)
+  end
+  redis.call("HDEL", K.session_waiter, s)
+end
+redis.call("HDEL", K.preempted, s)
+stat("session_finished")
+advance(num(P.reap, 8), nil)
+return cjson.encode(res)

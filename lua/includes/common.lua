@@ -1,0 +1,100 @@
+--[[
+  common.lua: names, clock, argument decoding and small helpers shared by every script.
+
+  Every kvgate script receives the same KEYS (all under one hash tag, so a gate lives
+  in one Redis Cluster slot):
+    KEYS[1]  ledger        HASH   reserved (tokens), epoch, seq (FIFO sequence counter)
+    KEYS[2]  snapshot      HASH   ts_ms, capacity, usage, n_engines, n_healthy, healthy_sig,
+                                  hit_rate, engines (JSON)
+    KEYS[3]  fifo          ZSET   ticket -> FIFO sequence number (strict order)
+    KEYS[4]  waiters       HASH   ticket -> JSON {s=session, n=need tokens, e=enqueued ms,
+                                  st="w" waiting | "p" preempted | "f" session finished}
+    KEYS[5]  alive         ZSET   ticket -> liveness deadline (ms) of a waiter record
+    KEYS[6]  session_waiter HASH  session -> its waiting ticket (attempt preemption)
+    KEYS[7]  leases        HASH   ticket -> JSON {s, t=own charge (tokens), w=1 if held under
+                                  the session's window, a=admitted ms, e=enqueued ms, r=reason,
+                                  ep=epoch, c=1 while a FIFO grant is unclaimed}
+    KEYS[8]  lease_exp     ZSET   ticket -> lease expiry (ms)
+    KEYS[9]  windows       HASH   session -> JSON {t=charged tokens, h=holders, ep=epoch,
+                                  x=idle-grace expiry ms (0 while held)}
+    KEYS[10] window_exp    ZSET   session -> idle-grace expiry (ms), idle windows only
+    KEYS[11] stats         HASH   counters of the current rollout step (drained per step)
+    KEYS[12] totals        HASH   the same counters, never drained (Prometheus)
+    KEYS[13] preempted     HASH   session -> number of preempted attempts
+  ARGV[1] = now in ms, or "" to use the Redis server clock (TIME).
+  ARGV[2] = JSON object of named parameters (each script's header lists its fields).
+]]
+local K = {
+  ledger = KEYS[1], snapshot = KEYS[2], fifo = KEYS[3], waiters = KEYS[4], alive = KEYS[5],
+  session_waiter = KEYS[6], leases = KEYS[7], lease_exp = KEYS[8], windows = KEYS[9],
+  window_exp = KEYS[10], stats = KEYS[11], totals = KEYS[12], preempted = KEYS[13],
+}
+
+local function now_ms()
+  if ARGV[1] ~= nil and ARGV[1] ~= "" then
+    return math.floor(tonumber(ARGV[1]))
+  end
+  local t = redis.call("TIME")
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local NOW = now_ms()
+local P = cjson.decode(ARGV[2] or "{}")
+
+-- integer to string, for HINCRBY / ZADD / HSET arguments (avoids "1.7e+12" forms)
+local function I(n)
+  return string.format("%d", math.floor(tonumber(n) or 0))
+end
+
+local function num(v, default)
+  local n = tonumber(v)
+  if n == nil then return default end
+  return n
+end
+
+local function jget(key, field)
+  local raw = redis.call("HGET", key, field)
+  if not raw then return nil end
+  return cjson.decode(raw)
+end
+
+local function jset(key, field, tbl)
+  redis.call("HSET", key, field, cjson.encode(tbl))
+end
+
+-- count an event in the step window and in the cumulative totals
+local function stat(field, by)
+  by = by or 1
+  redis.call("HINCRBY", K.stats, field, I(by))
+  redis.call("HINCRBY", K.totals, field, I(by))
+end
+
+local function statf(field, by)
+  redis.call("HINCRBYFLOAT", K.stats, field, tostring(by))
+  redis.call("HINCRBYFLOAT", K.totals, field, tostring(by))
+end
+
+local function publish(msg)
+  if P.ch and P.ch ~= "" then
+    redis.call("PUBLISH", P.ch, msg)
+  end
+end
+
+local function reserved()
+  return num(redis.call("HGET", K.ledger, "reserved"), 0)
+end
+
+-- change the ledger; it never goes below zero (a clamp is counted, it signals a bug)
+local function charge(delta)
+  if delta == 0 then return end
+  local r = reserved() + delta
+  if r < 0 then
+    stat("ledger_clamped")
+    r = 0
+  end
+  redis.call("HSET", K.ledger, "reserved", I(r))
+end
+
+local function epoch()
+  return num(redis.call("HGET", K.ledger, "epoch"), 0)
+end

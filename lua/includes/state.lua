@@ -1,0 +1,195 @@
+--[[
+  state.lua: snapshot reading, the fit test, lease/window/waiter transitions, bounded
+  reaping and FIFO advance. Needs common.lua. Parameters read from P (the caller's knobs):
+    adm (0/1 admission on), res (0/1 residency on), hw (high_watermark), pt (pressure_threshold),
+    headroom, stale_ms (staleness), grace_ms (idle_grace), ttl_ms (lease TTL),
+    claim_ms (how long a FIFO grant waits to be claimed), reap (max items per reap pass).
+]]
+
+-- the latest snapshot: fresh (bool), usage (0..1), capacity (tokens), ceiling (tokens)
+local function snapshot()
+  local v = redis.call("HMGET", K.snapshot, "ts_ms", "usage", "capacity", "n_healthy")
+  local ts = tonumber(v[1])
+  local s = { fresh = false, usage = num(v[2], 0), capacity = num(v[3], 0), ceiling = 0 }
+  if ts ~= nil and num(v[4], 0) > 0 and (NOW - ts) <= num(P.stale_ms, 6000) then
+    s.fresh = true
+  end
+  s.ceiling = math.floor(s.capacity * num(P.headroom, 0.9))
+  return s
+end
+
+-- why a turn of `need` tokens may not enter by rule 6 (nil: it fits)
+local function block_reason(snap, need)
+  if P.adm == 1 then
+    if snap.usage >= P.pt then return "pressure_guard" end
+    if reserved() + need > snap.ceiling then return "capacity_exhausted" end
+  end
+  if P.res == 1 and snap.usage >= P.hw then return "cold_prefix" end
+  return nil
+end
+
+local function drop_waiter(ticket, w)
+  redis.call("ZREM", K.fifo, ticket)
+  redis.call("HDEL", K.waiters, ticket)
+  redis.call("ZREM", K.alive, ticket)
+  if w and redis.call("HGET", K.session_waiter, w.s) == ticket then
+    redis.call("HDEL", K.session_waiter, w.s)
+  end
+end
+
+-- idle window: start its grace, or end it at once when grace is 0
+local function window_idle(session, win)
+  local grace = num(P.grace_ms, 60000)
+  if grace <= 0 then
+    redis.call("HDEL", K.windows, session)
+    redis.call("ZREM", K.window_exp, session)
+    charge(-win.t)
+    return
+  end
+  win.h = 0
+  win.x = NOW + grace
+  jset(K.windows, session, win)
+  redis.call("ZADD", K.window_exp, I(win.x), session)
+end
+
+local function end_window(session, win)
+  redis.call("HDEL", K.windows, session)
+  redis.call("ZREM", K.window_exp, session)
+  -- leases still running under it (finish_session mid-turn) hold no charge of their own,
+  -- so their later release gives back nothing: the window's charge is returned once, here
+  charge(-win.t)
+end
+
+-- a live window of the current epoch, or nil (stale ones are ended here, lazily)
+local function live_window(session)
+  local win = jget(K.windows, session)
+  if not win then return nil end
+  if win.ep ~= epoch() or (win.h == 0 and win.x <= NOW) then
+    end_window(session, win)
+    stat(win.ep ~= epoch() and "window_epoch_dropped" or "window_expired")
+    return nil
+  end
+  return win
+end
+
+-- remove a lease and give back what it holds; returns the lease or nil
+local function free_lease(ticket)
+  local l = jget(K.leases, ticket)
+  if not l then return nil end
+  redis.call("HDEL", K.leases, ticket)
+  redis.call("ZREM", K.lease_exp, ticket)
+  if l.w == 1 then
+    local win = jget(K.windows, l.s)
+    if win then
+      win.h = math.max(0, win.h - 1)
+      if win.h == 0 then
+        window_idle(l.s, win)
+      else
+        jset(K.windows, l.s, win)
+      end
+    end
+  end
+  if l.t > 0 then charge(-l.t) end
+  return l
+end
+
+-- open a lease; with `win_mode` the charge goes to the session's window:
+--   "join"  the session owns a window: hold it (first holder re-sizes its charge)
+--   "open"  open (or keep) the window for this session (admitted under pressure)
+local function grant(ticket, session, need, reason, enq_ms, win_mode, claim)
+  local l = { s = session, t = need, w = 0, a = NOW, e = enq_ms or NOW, r = reason, ep = epoch(), c = 0 }
+  if win_mode ~= nil then
+    local win = jget(K.windows, session)
+    if win == nil then
+      win = { t = need, h = 1, ep = epoch(), x = 0 }
+      charge(need)
+      l.t = 0
+      l.w = 1
+    elseif win.h == 0 then
+      charge(need - win.t)
+      win.t = need
+      win.h = 1
+      win.x = 0
+      redis.call("ZREM", K.window_exp, session)
+      l.t = 0
+      l.w = 1
+    else
+      -- a concurrent turn of the same session (a branch): charged on its own
+      charge(need)
+    end
+    if l.w == 1 then jset(K.windows, session, win) end
+  else
+    charge(need)
+  end
+  local exp = NOW + num(P.ttl_ms, 600000)
+  if claim then
+    l.c = 1
+    exp = NOW + math.min(num(P.claim_ms, 11000), num(P.ttl_ms, 600000))
+  end
+  jset(K.leases, ticket, l)
+  redis.call("ZADD", K.lease_exp, I(exp), ticket)
+  stat("admit")
+  stat("admit_" .. reason)
+  if enq_ms ~= nil and enq_ms < NOW then
+    stat("wait_granted")
+    stat("wait_ms_sum", NOW - enq_ms)
+  end
+  return l
+end
+
+-- bounded reclaim of expired leases, idle windows and dead waiters
+local function reap(limit)
+  local n = { leases = 0, windows = 0, waiters = 0 }
+  if limit <= 0 then return n end
+  for _, t in ipairs(redis.call("ZRANGEBYSCORE", K.lease_exp, "-inf", I(NOW), "LIMIT", 0, limit)) do
+    if free_lease(t) then
+      stat("lease_expired")
+      n.leases = n.leases + 1
+    else
+      redis.call("ZREM", K.lease_exp, t)
+    end
+  end
+  for _, s in ipairs(redis.call("ZRANGEBYSCORE", K.window_exp, "-inf", I(NOW), "LIMIT", 0, limit)) do
+    local win = jget(K.windows, s)
+    if win and win.h == 0 and win.x <= NOW then
+      end_window(s, win)
+      stat("window_expired")
+      n.windows = n.windows + 1
+    else
+      redis.call("ZREM", K.window_exp, s)
+    end
+  end
+  for _, t in ipairs(redis.call("ZRANGEBYSCORE", K.alive, "-inf", I(NOW), "LIMIT", 0, limit)) do
+    local w = jget(K.waiters, t)
+    drop_waiter(t, w)
+    if w and w.st == "w" then stat("dead_waiter") end
+    n.waiters = n.waiters + 1
+  end
+  return n
+end
+
+-- grant FIFO heads that fit, oldest first, at most `limit`; stops at the first that does
+-- not fit (strict FIFO). Publishes "g <ticket>" for each grant.
+local function advance(limit, snap)
+  local granted = 0
+  snap = snap or snapshot()
+  if not snap.fresh then return 0 end
+  for _ = 1, limit do
+    local head = redis.call("ZRANGE", K.fifo, 0, 0)[1]
+    if not head then break end
+    local w = jget(K.waiters, head)
+    if not w then
+      redis.call("ZREM", K.fifo, head)
+    elseif num(redis.call("ZSCORE", K.alive, head), 0) <= NOW then
+      drop_waiter(head, w)
+      stat("dead_waiter")
+    else
+      if block_reason(snap, w.n) ~= nil then break end
+      drop_waiter(head, w)
+      grant(head, w.s, w.n, "open", w.e, nil, true)
+      publish("g " .. head)
+      granted = granted + 1
+    end
+  end
+  return granted
+end

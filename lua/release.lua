@@ -1,0 +1,25 @@
+--[[
+  release.lua: an admitted turn is done; give back its lease (idempotent per ticket).
+  A lease held under an ownership window turns the window idle for idle_grace (still
+  charged); any other lease returns its tokens to the ledger. Then the FIFO advances.
+
+  KEYS: the 13 gate keys (includes/common.lua).
+  ARGV[1] now ms or ""; ARGV[2] JSON:
+    ticket (str), lat_ms (float, turn latency for the per-turn-index signal, optional),
+    turn (int turn index, optional), plus the knobs adm, res, hw, pt, headroom, stale_ms,
+    ttl_ms, grace_ms, claim_ms, reap, ch.
+  Returns JSON {released=0|1, granted=<FIFO grants made>}
+  Publishes "g <ticket>" for each FIFO head granted.
+]]
+--@include common
+--@include state
+
+local l = free_lease(P.ticket)
+if l and P.lat_ms ~= nil and P.turn ~= nil then
+  local b = math.min(math.floor(num(P.turn, 0)), 63)
+  statf("lat_s_sum:" .. b, num(P.lat_ms, 0) / 1000.0)
+  stat("lat_n:" .. b)
+end
+reap(num(P.reap, 8))
+local g = advance(num(P.reap, 8), nil)
+return cjson.encode({ released = l and 1 or 0, granted = g })

@@ -1,0 +1,55 @@
+--[[
+  write_snapshot.lua: store the engines' capacity snapshot atomically. Capacity is the sum
+  of healthy engines' KV tokens, usage the worst healthy engine's KV usage. A change in the
+  set of healthy engines bumps the epoch. Samples usage into the step's window
+  (kv_token_usage mean and max), then advances the FIFO (fresh usage may admit heads).
+
+  KEYS: the 13 gate keys (includes/common.lua).
+  ARGV[1] now ms or ""; ARGV[2] JSON: engines = [{id (str), cap (int tokens),
+    used (int tokens), usage (float 0..1), healthy (0/1), hit (float or -1), url (str),
+    kind (str)}], plus the knobs of release.lua.
+  Returns JSON {epoch=n, bumped=0|1, capacity=tokens, usage=float, n_healthy=n}
+  Publishes "e <epoch>" on a bump, "g <ticket>" for FIFO grants.
+]]
+--@include common
+--@include state
+
+local cap, usage, nh, hit_sum, hit_n = 0, 0, 0, 0, 0
+local ids = {}
+for _, e in ipairs(P.engines or {}) do
+  if e.healthy == 1 then
+    nh = nh + 1
+    cap = cap + math.floor(num(e.cap, 0))
+    usage = math.max(usage, num(e.usage, 0))
+    table.insert(ids, tostring(e.id))
+    if num(e.hit, -1) >= 0 then
+      hit_sum = hit_sum + e.hit
+      hit_n = hit_n + 1
+    end
+  end
+end
+table.sort(ids)
+local sig = table.concat(ids, "\n")
+local old = redis.call("HGET", K.snapshot, "healthy_sig")
+local bumped = 0
+if old == false or old ~= sig then
+  if old ~= false then
+    bumped = 1
+    redis.call("HINCRBY", K.ledger, "epoch", 1)
+    stat("epoch_bumps")
+    publish("e " .. I(epoch()))
+  end
+end
+local hit = -1
+if hit_n > 0 then hit = hit_sum / hit_n end
+redis.call("HSET", K.snapshot, "ts_ms", I(NOW), "capacity", I(cap), "usage", tostring(usage),
+  "n_engines", I(#(P.engines or {})), "n_healthy", I(nh), "healthy_sig", sig,
+  "hit_rate", tostring(hit), "engines", cjson.encode(P.engines or {}))
+if nh > 0 then
+  statf("usage_sum", usage)
+  stat("usage_n")
+  local mx = num(redis.call("HGET", K.stats, "usage_max"), -1)
+  if usage > mx then redis.call("HSET", K.stats, "usage_max", tostring(usage)) end
+end
+advance(num(P.reap, 8), nil)
+return cjson.encode({ epoch = epoch(), bumped = bumped, capacity = cap, usage = usage, n_healthy = nh })
