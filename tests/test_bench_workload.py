@@ -1,0 +1,153 @@
+"""Workload generator (seeded, reproducible) and JSONL trace replay, incl. bad lines."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvgate.bench.workload import (IntRange, ToolLatency, WorkloadSpec, generate, load_trace, parse_range,
+                                   parse_trace, session_tokens)
+
+
+def test_same_seed_same_workload_and_tokens():
+    spec = WorkloadSpec(sessions=8, turns=IntRange(3, 9))
+    a, b = generate(spec, seed=7), generate(spec, seed=7)
+    assert a.sessions == b.sessions
+    s = a.sessions[3]
+    assert session_tokens(a, s.session_id, 2, 100) == session_tokens(b, s.session_id, 2, 100)
+
+
+def test_different_seed_differs():
+    spec = WorkloadSpec(sessions=8)
+    a, b = generate(spec, seed=1), generate(spec, seed=2)
+    assert a.sessions != b.sessions
+    assert session_tokens(a, a.sessions[0].session_id, 0, 64) != session_tokens(b, b.sessions[0].session_id, 0, 64)
+
+
+def test_sessions_do_not_share_token_prefixes():
+    w = generate(WorkloadSpec(sessions=4), seed=0)
+    firsts = [tuple(session_tokens(w, s.session_id, 0, 16)) for s in w.sessions]
+    assert len(set(firsts)) == len(firsts)
+
+
+def test_generated_shapes_follow_the_spec():
+    spec = WorkloadSpec(sessions=50, turns=IntRange(5, 7), first_prompt=IntRange(100, 200),
+                        tool_result=IntRange(10, 20), output=IntRange(3, 4))
+    w = generate(spec, seed=3)
+    assert len(w.sessions) == 50
+    for s in w.sessions:
+        assert 5 <= len(s.turns) <= 7
+        assert 100 <= s.turns[0].new_tokens <= 200
+        assert s.turns[0].gap_s == 0.0
+        for t in s.turns[1:]:
+            assert 10 <= t.new_tokens <= 20
+            assert 0 < t.gap_s <= spec.tool.max_s
+        assert all(3 <= t.output_tokens <= 4 for t in s.turns)
+    # The working set counts every prompt and output token of each session.
+    s0 = w.sessions[0]
+    assert w.final_context_tokens(s0) == sum(t.new_tokens + t.output_tokens for t in s0.turns)
+
+
+def test_default_tool_latency_is_heavy_tailed():
+    d = generate(WorkloadSpec(sessions=200), seed=11).describe()
+    assert d["tool_latency_p50_s"] < 1.0
+    assert d["tool_latency_p90_s"] > 10.0
+    assert d["turns_per_session_p50"] >= 10
+
+
+def test_token_ids_stay_in_vocab():
+    w = generate(WorkloadSpec(sessions=1, vocab=50), seed=0)
+    toks = session_tokens(w, w.sessions[0].session_id, 0, 5000)
+    assert len(toks) == 5000 and min(toks) >= 0 and max(toks) < 50
+
+
+@pytest.mark.parametrize("text,expected", [("7", IntRange(7, 7)), ("3-9", IntRange(3, 9)), (5, IntRange(5, 5))])
+def test_parse_range(text, expected):
+    assert parse_range(text) == expected
+
+
+@pytest.mark.parametrize("text", ["x", "9-3", "1-", "-4", "1.5"])
+def test_parse_range_rejects(text):
+    with pytest.raises(ValueError):
+        parse_range(text, name="--turns")
+
+
+@pytest.mark.parametrize("kw", [{"sessions": 0}, {"turns": IntRange(0, 3)}, {"output": IntRange(0, 0)},
+                                {"arrival_spread_s": -1.0}])
+def test_spec_validation(kw):
+    with pytest.raises(ValueError):
+        WorkloadSpec(**kw)
+
+
+def test_tool_latency_validation():
+    with pytest.raises(ValueError):
+        ToolLatency(slow_frac=1.5)
+    with pytest.raises(ValueError):
+        ToolLatency(fast_median_s=0)
+
+
+def _line(**kw):
+    d = {"session": "a", "turn": 0, "input_tokens": 100, "output_tokens": 10, "gap_s": 0.0}
+    d.update(kw)
+    return json.dumps(d)
+
+
+def test_trace_replay(tmp_path):
+    lines = [
+        _line(session="a", turn=0, input_tokens=100, output_tokens=10, gap_s=0.5),
+        _line(session="b", turn=0, input_tokens=50, output_tokens=5, gap_s=0.0),
+        "",
+        "# a comment",
+        _line(session="a", turn=1, input_tokens=150, output_tokens=20, gap_s=2.0),
+        _line(session="a", turn=2, input_tokens=80, output_tokens=20, gap_s=1.0),  # context reset
+    ]
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    w = load_trace(p)
+    assert [s.session_id for s in w.sessions] == ["a", "b"]
+    a = w.sessions[0]
+    assert a.start_s == 0.5
+    assert [t.new_tokens for t in a.turns[:2]] == [100, 40]  # 150 - (100 + 10)
+    assert a.turns[2].reset_to == 80
+    assert [t.gap_s for t in a.turns] == [0.5, 2.0, 1.0]
+    assert w.num_turns == 4
+
+
+def test_trace_turns_may_arrive_out_of_order():
+    w = parse_trace([_line(turn=1, input_tokens=200), _line(turn=0, input_tokens=100)])
+    assert [t.turn for t in w.sessions[0].turns] == [0, 1]
+    assert w.sessions[0].turns[1].new_tokens == 90
+
+
+@pytest.mark.parametrize("bad,fragment", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    (json.dumps({"session": "a", "turn": 1}), "missing key"),
+    (_line(turn=-1), "'turn'"),
+    (_line(turn="3"), "'turn'"),
+    (_line(input_tokens=0), "'input_tokens'"),
+    (_line(output_tokens=1.5), "'output_tokens'"),
+    (_line(gap_s=-2), "'gap_s'"),
+    (_line(gap_s="soon"), "'gap_s'"),
+    (_line(session=None), "'session'"),
+    (_line(session=""), "'session'"),
+])
+def test_bad_trace_line_names_its_line_number(tmp_path, bad, fragment):
+    p = tmp_path / "bad.jsonl"
+    p.write_text("\n".join([_line(session="ok", turn=0), "", bad, _line(session="ok", turn=1, input_tokens=200)]))
+    with pytest.raises(ValueError) as ei:
+        load_trace(p)
+    msg = str(ei.value)
+    assert "line 3" in msg and fragment in msg
+
+
+def test_duplicate_turn_names_both_lines():
+    with pytest.raises(ValueError, match=r"line 2: duplicate turn 0 .*line 1"):
+        parse_trace([_line(), _line()])
+
+
+def test_empty_and_missing_trace(tmp_path):
+    with pytest.raises(ValueError, match="empty"):
+        parse_trace(["", "# nothing"])
+    with pytest.raises(ValueError, match="cannot read"):
+        load_trace(tmp_path / "nope.jsonl")
