@@ -1,0 +1,259 @@
+"""HttpProbe against small real HTTP servers on loopback (no vLLM needed).
+
+Each fake engine serves `POST /kvgate/probe` in the shared contract's shape, or misbehaves on purpose
+(sleeps, garbage, HTTP errors).  The probe must take the best answer, skip the broken engines, stay
+within its time bound, and turn total failure into hit_ratio=None.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kvgate.integrations.http_probe import HttpProbe
+from kvgate.probe import ProbeResult
+
+BLOCK = 16
+
+
+class FakeEngine:
+    """A loopback HTTP server answering /kvgate/probe; `mode` picks the behaviour."""
+
+    def __init__(self, cached_blocks: int = 0, mode: str = "ok", delay_s: float = 0.0):
+        self.cached_blocks = cached_blocks
+        self.mode = mode
+        self.delay_s = delay_s
+        self.bodies: list[dict] = []
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # quiet
+                pass
+
+            def do_POST(self):  # noqa: N802
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                try:
+                    body = json.loads(raw)
+                except ValueError:
+                    body = None
+                engine.bodies.append(body)
+                if engine.delay_s:
+                    time.sleep(engine.delay_s)
+                status, payload = engine.answer(body)
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # the client gave up (timeout test)
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                                       daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def answer(self, body):
+        if not isinstance(body, dict) or not isinstance(body.get("prompt_ids"), list):
+            return 400, {"error": "bad body"}
+        n = len(body["prompt_ids"])
+        blocks = min(self.cached_blocks, n // BLOCK)
+        good = {"cached_blocks": blocks, "cached_tokens": blocks * BLOCK, "total_blocks": n // BLOCK,
+                "total_tokens": n, "hit_ratio": (blocks * BLOCK / n) if n else 0.0, "block_size": BLOCK,
+                "engine": self.url}
+        if self.mode == "ok":
+            return 200, good
+        if self.mode == "html":
+            return 200, b"<html>not json</html>"
+        if self.mode == "list":
+            return 200, [good]
+        if self.mode == "ratio":
+            return 200, {**good, "hit_ratio": 1.7}
+        if self.mode == "total":
+            return 200, {**good, "total_tokens": n + 1}
+        if self.mode == "missing":
+            return 200, {"hit_ratio": 0.5}
+        if self.mode == "err500":
+            return 500, {"error": "boom"}
+        raise AssertionError(self.mode)
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def engines():
+    made: list[FakeEngine] = []
+
+    def make(*a, **kw) -> FakeEngine:
+        e = FakeEngine(*a, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+PROMPT = list(range(100, 100 + 10 * BLOCK + 5))  # 10 full blocks + 5 tokens
+
+
+def test_best_of_several_engines(engines):
+    a, b, c = engines(0), engines(6), engines(3)
+    with HttpProbe([a.url, b.url, c.url], timeout_s=2.0) as probe:
+        r = probe.probe("s1", PROMPT)
+    assert isinstance(r, ProbeResult)
+    assert r.cached_blocks == 6 and r.cached_tokens == 6 * BLOCK
+    assert r.total_tokens == len(PROMPT)
+    assert r.hit_ratio == pytest.approx(6 * BLOCK / len(PROMPT))
+    assert b.url in r.detail
+    for e in (a, b, c):  # every engine was asked, with the prompt and the session id
+        assert e.bodies == [{"prompt_ids": PROMPT, "session_id": "s1"}]
+
+
+def test_async_best_of_several_engines(engines):
+    a, b = engines(2), engines(9)
+
+    async def main():
+        async with HttpProbe([a.url, b.url], timeout_s=2.0) as probe:
+            return await probe.aprobe("s1", PROMPT)
+
+    r = asyncio.run(main())
+    assert r.cached_blocks == 9 and b.url in r.detail
+
+
+def test_timeout_skips_slow_engine_and_bounds_the_call(engines):
+    fast, slow = engines(2), engines(10, delay_s=5.0)
+    with HttpProbe([slow.url, fast.url], timeout_s=0.3) as probe:
+        t0 = time.monotonic()
+        r = probe.probe("s", PROMPT)
+        took = time.monotonic() - t0
+    assert r.cached_blocks == 2  # the slow engine's better answer never arrived
+    assert "timeout" in r.detail and slow.url in r.detail
+    assert took < 4.0  # bounded by timeout_s, far below the slow engine's 5 s
+
+
+def test_async_timeout_everywhere_is_unavailable(engines):
+    slow = engines(10, delay_s=5.0)
+
+    async def main():
+        async with HttpProbe([slow.url], timeout_s=0.3) as probe:
+            t0 = time.monotonic()
+            r = await probe.aprobe("s", PROMPT)
+            return r, time.monotonic() - t0
+
+    r, took = asyncio.run(main())
+    assert r.hit_ratio is None and "timeout" in r.detail
+    assert took < 4.0
+
+
+@pytest.mark.parametrize("mode", ["html", "list", "ratio", "total", "missing", "err500"])
+def test_garbage_answers_are_unavailable(engines, mode):
+    bad = engines(4, mode=mode)
+    with HttpProbe([bad.url], timeout_s=2.0) as probe:
+        r = probe.probe("s", PROMPT)
+    assert r.hit_ratio is None
+    assert bad.url in r.detail
+
+
+def test_garbage_engine_is_skipped_when_another_answers(engines):
+    bad, good = engines(9, mode="ratio"), engines(1)
+    with HttpProbe([bad.url, good.url], timeout_s=2.0) as probe:
+        r = probe.probe("s", PROMPT)
+    assert r.cached_blocks == 1 and "failed" in r.detail
+
+
+def test_connection_refused_is_unavailable():
+    with HttpProbe([closed_port_url()], timeout_s=1.0) as probe:
+        r = probe.probe("s", PROMPT)
+    assert r.hit_ratio is None and r.total_tokens == len(PROMPT)
+
+
+def test_url_for_session_asks_only_that_engine(engines):
+    a, b = engines(7), engines(3)
+    owner = {"s-a": a.url, "s-b": [b.url]}
+    with HttpProbe([a.url, b.url], url_for_session=owner.get, timeout_s=2.0) as probe:
+        rb = probe.probe("s-b", PROMPT)
+        assert rb.cached_blocks == 3 and a.bodies == []  # a was not asked
+        r_unknown = probe.probe("s-x", PROMPT)  # no mapping: everyone, best answer
+    assert r_unknown.cached_blocks == 7
+    assert len(a.bodies) == 1 and len(b.bodies) == 2
+
+
+def test_callable_url_source_is_read_per_probe(engines):
+    a, b = engines(1), engines(5)
+    current = [a.url]
+    with HttpProbe(lambda: list(current), timeout_s=2.0) as probe:
+        assert probe.probe("s", PROMPT).cached_blocks == 1
+        current[:] = [a.url, b.url]
+        assert probe.probe("s", PROMPT).cached_blocks == 5
+        current[:] = []
+        r = probe.probe("s", PROMPT)
+    assert r.hit_ratio is None and "no engine" in r.detail
+
+
+def test_broken_url_source_is_unavailable_not_an_exception():
+    def boom():
+        raise RuntimeError("redis down")
+
+    with HttpProbe(boom, timeout_s=0.5) as probe:
+        r = probe.probe("s", PROMPT)
+    assert r.hit_ratio is None and "redis down" in r.detail
+
+
+def test_empty_prompt_is_zero(engines):
+    a = engines(3)
+    with HttpProbe([a.url], timeout_s=2.0) as probe:
+        r = probe.probe("s", [])
+    assert r.hit_ratio == 0.0 and r.total_tokens == 0
+
+
+@pytest.mark.parametrize("ids", ["abc", [1, "2"], [1, True], [-1], [1.5], None, 7])
+def test_bad_prompt_ids_raise_before_any_request(engines, ids):
+    a = engines(3)
+    with HttpProbe([a.url], timeout_s=1.0) as probe:
+        with pytest.raises(ValueError):
+            probe.probe("s", ids)
+
+        async def main():
+            with pytest.raises(ValueError):
+                await probe.aprobe("s", ids)
+
+        asyncio.run(main())
+    assert a.bodies == []
+
+
+def test_bad_session_and_constructor_arguments(engines):
+    a = engines(0)
+    with HttpProbe([a.url]) as probe:
+        with pytest.raises(ValueError):
+            probe.probe(42, [1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        HttpProbe()
+    with pytest.raises(ValueError):
+        HttpProbe(["engine-without-scheme:8000"])
+    with pytest.raises(ValueError):
+        HttpProbe([a.url], timeout_s=0)
+    with pytest.raises(ValueError):
+        HttpProbe([a.url], path="kvgate/probe")
+    assert a.bodies == []
