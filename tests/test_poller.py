@@ -1,0 +1,249 @@
+"""The poller against a real redis-server and real loopback HTTP engines / routers."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import kvgate
+from kvgate.poller import Poller, leader_key
+from test_poller_support import (
+    FakeHTTP,
+    hang,
+    html,
+    huge,
+    js,
+    read_data,
+    sglang_metrics,
+    text,
+    wait_until,
+)
+
+pytestmark = pytest.mark.redis_real
+
+
+@pytest.fixture
+def servers():
+    made: list[FakeHTTP] = []
+
+    def make(metrics: str | None = None) -> FakeHTTP:
+        s = FakeHTTP().start()
+        if metrics is not None:
+            s.route("GET", "/metrics", text(metrics))
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def make_gate(url: str, name: str = "pg", **knobs) -> kvgate.Gate:
+    return kvgate.Gate.from_url(url, gate=name, config=kvgate.GateConfig(**knobs))
+
+
+def by_id(status: dict) -> dict:
+    return {e["id"]: e for e in status["engines"]}
+
+
+def test_tick_writes_sum_of_capacity_and_worst_usage(redis_url, servers):
+    e1 = servers(sglang_metrics(10_000, 2_000, tp=2))
+    e2 = servers(sglang_metrics(20_000, 15_000))
+    gate = make_gate(redis_url)
+    p = Poller(gate, engines=[e1.url, e2.url])
+    r = p.tick()
+    assert r.leader and r.wrote and not r.errors
+    assert r.snapshot.capacity_tokens == 30_000  # tp=2 folded by max, not 2 x 10k
+    assert r.snapshot.usage == pytest.approx(0.75)
+    st = gate.status()
+    assert not st["degraded"] and st["capacity"] == 30_000
+    assert by_id(st)[e1.url]["cap"] == 10_000 and by_id(st)[e1.url]["healthy"] == 1
+    assert r.housekeep is not None
+
+
+def test_bad_engines_are_unhealthy_for_the_round(redis_url, servers):
+    good = servers(sglang_metrics(8_000, 800))
+    hung = servers()
+    hung.route("GET", "/metrics", hang(30))
+    page = servers()
+    page.route("GET", "/metrics", html(200))
+    big = servers()
+    big.route("GET", "/metrics", huge(20_000_000))
+    gone = servers()
+    gone.stop()
+    gate = make_gate(redis_url)
+    p = Poller(gate, engines=[good.url, hung.url, page.url, big.url, gone.url], http_timeout_s=0.5,
+               max_body_bytes=256 * 1024)
+    t0 = time.monotonic()
+    r = p.tick()
+    assert time.monotonic() - t0 < 10  # bounded, not a timing claim about speed
+    assert r.wrote
+    health = {s.engine_id: s.healthy for s in r.states}
+    assert health == {good.url: True, hung.url: False, page.url: False, big.url: False, gone.url: False}
+    assert "timed out" in r.errors[hung.url]
+    assert "not Prometheus" in r.errors[page.url]
+    assert "exceeds" in r.errors[big.url]
+    assert r.snapshot.capacity_tokens == 8_000 and r.snapshot.n_healthy == 1
+
+
+def test_router_unhealthy_worker_is_not_scraped(redis_url, servers):
+    ok = servers(sglang_metrics(5_000, 1_000))
+    sick = servers(sglang_metrics(5_000, 4_900))
+    router = servers()
+    router.route("GET", "/workers", js({"workers": [
+        {"id": "a", "url": ok.url, "model_id": "m", "worker_type": "regular", "is_healthy": True, "load": 0},
+        {"id": "b", "url": sick.url, "model_id": "m", "worker_type": "regular", "is_healthy": False, "load": 0},
+    ], "total": 2, "stats": {}}))
+    gate = make_gate(redis_url)
+    r = Poller(gate, router=router.url).tick()
+    assert r.wrote and r.snapshot.n_healthy == 1 and r.snapshot.usage == pytest.approx(0.2)
+    assert {s.engine_id: s.healthy for s in r.states} == {ok.url: True, sick.url: False}
+    assert not sick.requests  # the poller trusted the router and did not scrape it
+
+
+def test_router_with_only_list_workers(redis_url, servers):
+    e = servers(read_data("sglang_single_metrics.txt"))
+    router = servers()
+    router.route("GET", "/list_workers", js({"urls": [e.url]}))
+    gate = make_gate(redis_url)
+    p = Poller(gate, router=router.url)
+    r = p.tick()
+    assert r.wrote and r.snapshot.capacity_tokens == 838_860
+    assert p.discovery.last_source == "list_workers"
+
+
+def test_dp_engine_becomes_one_state_per_rank(redis_url, servers):
+    e = servers(read_data("sglang_dp_metrics.txt"))
+    gate = make_gate(redis_url)
+    r = Poller(gate, engines=[e.url]).tick()
+    ids = [s.engine_id for s in r.states]
+    assert ids == [f"{e.url}#dp0", f"{e.url}#dp1"]
+    assert r.snapshot.capacity_tokens == 2 * 838_860 and r.snapshot.usage == pytest.approx(0.95)
+    assert gate.engine_urls() == [e.url]  # one base URL for /close_session
+
+
+def test_vllm_engine_and_interval_hit_rate(redis_url, servers):
+    body = read_data("vllm_single_metrics.txt")
+    e = servers(body)
+    gate = make_gate(redis_url)
+    p = Poller(gate, engines=[e.url])
+    r = p.tick()
+    assert r.states[0].kind == "vllm" and r.states[0].capacity_tokens == 2048 * 16
+    assert r.states[0].hit_rate == pytest.approx(138240 / 184320)  # cumulative on first sight
+    e.route("GET", "/metrics", text(body.replace("138240.0", "138340.0").replace("184320.0", "184720.0")))
+    r = p.tick()
+    assert r.states[0].hit_rate == pytest.approx(100 / 400)  # delta of the counters
+
+
+def test_epoch_bumps_only_when_healthy_set_changes(redis_url, servers):
+    e1 = servers(sglang_metrics(10_000, 100))
+    e2 = servers(sglang_metrics(10_000, 100))
+    gate = make_gate(redis_url)
+    p = Poller(gate, engines=[e1.url, e2.url])
+    first = p.tick().snapshot
+    again = p.tick().snapshot
+    assert not again.bumped and again.epoch == first.epoch
+    e2.route("GET", "/metrics", html(502))
+    down = p.tick().snapshot
+    assert down.bumped and down.epoch > first.epoch and down.n_healthy == 1
+    assert not p.tick().snapshot.bumped
+    e2.route("GET", "/metrics", text(sglang_metrics(10_000, 100)))
+    up = p.tick().snapshot
+    assert up.bumped and up.epoch > down.epoch and up.n_healthy == 2
+    assert gate.status()["epoch"] == up.epoch
+
+
+def test_no_snapshot_when_router_unreachable_or_all_engines_down(redis_url, servers):
+    e = servers(sglang_metrics(10_000, 100))
+    router = servers()
+    router.route("GET", "/workers", js({"workers": [{"url": e.url, "is_healthy": True}]}))
+    gate = make_gate(redis_url)
+    p = Poller(gate, router=router.url, http_timeout_s=0.5)
+    assert p.tick().wrote
+    ts = gate.redis.hget(gate.key("snapshot"), "ts_ms")
+    router.route("GET", "/workers", html(502))
+    r = p.tick()
+    assert not r.wrote and r.reason == "router_unreachable" and r.discovery_error
+    router.route("GET", "/workers", js({"workers": [{"url": e.url, "is_healthy": True}]}))
+    e.route("GET", "/metrics", html(500))
+    r = p.tick()
+    assert not r.wrote and r.reason == "no_healthy_engine"
+    assert gate.redis.hget(gate.key("snapshot"), "ts_ms") == ts  # nothing written: it goes stale
+
+
+def test_only_the_leader_writes_and_standby_takes_over(redis_url, servers):
+    e = servers(sglang_metrics(10_000, 100))
+    a = Poller(make_gate(redis_url), engines=[e.url], leader_ttl_s=2.0, identity="A")
+    b = Poller(make_gate(redis_url), engines=[e.url], leader_ttl_s=2.0, identity="B")
+    assert a.tick().leader
+    rb = b.tick()
+    assert not rb.leader and not rb.wrote and rb.reason == "standby"
+    assert a.leader_identity() == "A"
+    assert a.tick().wrote  # extends its lease
+    a.release()  # graceful shutdown hands over at once
+    assert b.tick().wrote and b.leader_identity() == "B"
+    assert not a.tick().leader
+
+
+def test_run_loop_stops_and_releases(redis_url, servers):
+    e = servers(sglang_metrics(10_000, 100))
+    gate = make_gate(redis_url)
+    p = Poller(gate, engines=[e.url], interval_s=0.05, leader_ttl_s=1.0)
+    th = threading.Thread(target=p.run, daemon=True)
+    th.start()
+    wait_until(lambda: p.writes >= 3, timeout=10)
+    p.stop()
+    th.join(timeout=10)
+    assert not th.is_alive()
+    assert gate.redis.get(leader_key("pg")) is None
+
+
+def test_clients_degrade_when_pollers_stop_and_recover(redis_url, servers):
+    e = servers(sglang_metrics(100_000, 100))
+    gate = make_gate(redis_url, staleness_s=0.6)
+    p = Poller(gate, engines=[e.url], interval_s=0.1, leader_ttl_s=1.0)
+    th = threading.Thread(target=p.run, daemon=True)
+    th.start()
+    try:
+        wait_until(lambda: p.writes >= 1, timeout=10)
+        lease = gate.acquire("s1", prompt_tokens=100, max_new_tokens=10)
+        assert (lease.outcome, lease.reason) == ("admit", "open")
+        lease.release()
+    finally:
+        p.stop()
+        th.join(timeout=10)
+
+    def degraded():
+        lz = gate.acquire("s2", prompt_tokens=100, max_new_tokens=10)
+        lz.release()
+        return lz.outcome == "bypass" and lz.reason == "degraded"
+
+    wait_until(degraded, timeout=10, interval=0.1)
+    assert gate.status()["degraded"]
+    p2 = Poller(gate, engines=[e.url], interval_s=0.1, leader_ttl_s=1.0)
+    th2 = threading.Thread(target=p2.run, daemon=True)
+    th2.start()
+    try:
+        wait_until(lambda: p2.writes >= 1, timeout=10)
+        lease = gate.acquire("s3", prompt_tokens=100, max_new_tokens=10)
+        assert lease.outcome == "admit"
+        lease.release()
+        assert not gate.status()["degraded"]
+    finally:
+        p2.stop()
+        th2.join(timeout=10)
+
+
+@pytest.mark.parametrize("kw", [
+    {"engines": ["http://127.0.0.1:1"], "interval_s": 0},
+    {"engines": ["http://127.0.0.1:1"], "interval_s": 2.0, "leader_ttl_s": 1.0},
+    {"engines": ["http://127.0.0.1:1"], "http_timeout_s": -1},
+    {"engines": ["http://127.0.0.1:1"], "concurrency": 0},
+    {"engines": ["not-a-url"]},
+    {},
+    {"router": "http://127.0.0.1:1", "engines": ["http://127.0.0.1:2"]},
+])
+def test_bad_arguments(redis_url, kw):
+    with pytest.raises(ValueError):
+        Poller(make_gate(redis_url), **kw)
