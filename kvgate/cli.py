@@ -139,7 +139,7 @@ def build_parser(*, with_bench: bool = False) -> argparse.ArgumentParser:
                     help="stop after N refreshes (default: until Ctrl-C)")
     add_knob_arguments(tp)
 
-    bp = sub.add_parser("bench", help="benchmarks (kvgate.bench)", add_help=not with_bench)
+    bp = sub.add_parser("bench", help="benchmarks (kvgate.bench)")
     if with_bench:
         try:
             from kvgate.bench import cli as bench_cli
@@ -257,7 +257,9 @@ def cmd_status(parser, args, cfg) -> int:
         out["poller_leader"] = leader or None
         print(status_json(out))
     else:
-        Console().print(render_status(st, leader=leader))
+        # piped output (logs, CI) gets a wide fixed width so URLs stay on one line
+        console = Console() if sys.stdout.isatty() else Console(width=160)
+        console.print(render_status(st, leader=leader))
     return 0
 
 

@@ -80,8 +80,9 @@ def render_status(status: Mapping, *, leader: str | None = None, title: str | No
         head.add_row("fifo head", ", ".join(str(t) for t in fifo_head[:5]))
 
     eng = Table(title="engines", expand=False)
-    for col in ("engine", "kind", "healthy", "capacity", "used", "usage", "hit"):
-        eng.add_column(col, justify="right" if col not in ("engine", "kind") else "left")
+    eng.add_column("engine", overflow="fold", min_width=12)
+    for col in ("kind", "healthy", "capacity", "used", "usage", "hit"):
+        eng.add_column(col, justify="left" if col == "kind" else "right", no_wrap=True)
     for e in s.get("engines") or []:
         if not isinstance(e, Mapping):
             continue

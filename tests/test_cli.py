@@ -1,0 +1,204 @@
+"""The kvgate command: argument errors, knob plumbing, status / top output, and pollers as
+real processes (leader killed by pid, standby takes over; metrics endpoint)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+import kvgate
+from kvgate.cli import add_knob_arguments, build_parser, config_from_args, main
+from kvgate.poller import leader_key
+from test_poller_support import FakeHTTP, env_without_proxies, free_port, sglang_metrics, text, wait_until
+
+
+def run_cli(*argv: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvgate.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=env or env_without_proxies())
+
+
+# -- knobs ----------------------------------------------------------------------------------
+def test_every_knob_has_a_flag():
+    import argparse
+    import dataclasses
+
+    p = add_knob_arguments(argparse.ArgumentParser())
+    flags = {a for act in p._actions for a in act.option_strings}
+    for f in dataclasses.fields(kvgate.GateConfig):
+        assert "--" + f.name.replace("_", "-") in flags, f.name
+
+
+def test_flags_override_env_and_env_overrides_defaults():
+    p = build_parser()
+    args = p.parse_args(["status", "--redis", "redis://x", "--gate", "g", "--max-wait-s", "7",
+                         "--no-residency", "--scope", "all"])
+    cfg = config_from_args(args, env={"KVGATE_MAX_WAIT_S": "3", "KVGATE_HEADROOM": "0.5"})
+    assert cfg.max_wait_s == 7.0 and cfg.headroom == 0.5 and cfg.residency is False and cfg.scope == "all"
+    cfg = config_from_args(p.parse_args(["status"]), env={"KVGATE_MAX_WAIT_S": "3"})
+    assert cfg.max_wait_s == 3.0 and cfg.residency is True
+
+
+def test_bad_knob_is_a_clear_error():
+    p = build_parser()
+    with pytest.raises(ValueError, match="headroom"):
+        config_from_args(p.parse_args(["status", "--headroom", "2"]), env={})
+    with pytest.raises(ValueError, match="--max-wait-s"):
+        config_from_args(p.parse_args(["status", "--max-wait-s", "soon"]), env={})
+
+
+# -- argument errors (exit code 2 and a message, no traceback) ---------------------------------
+@pytest.mark.parametrize("argv, needle", [
+    (["poller", "--redis", "redis://127.0.0.1:1/0", "--gate", "g"], "--router URL or at least one --engine"),
+    (["poller", "--redis", "redis://127.0.0.1:1/0", "--gate", "g", "--router", "http://a", "--engine",
+      "http://b"], "not allowed with"),
+    (["poller", "--redis", "redis://127.0.0.1:1/0", "--gate", "g", "--engine", "http://b", "--interval", "0"],
+     "must be > 0"),
+    (["poller", "--redis", "redis://127.0.0.1:1/0", "--gate", "g", "--engine", "nope"], "scheme"),
+    (["poller", "--redis", "redis://127.0.0.1:1/0", "--gate", "g", "--engine", "http://b", "--interval", "5",
+      "--leader-ttl", "2"], "leader_ttl_s"),
+    (["poller", "--gate", "g", "--engine", "http://b"], "--redis URL is required"),
+    (["status", "--redis", "redis://127.0.0.1:1/0"], "--gate NAME is required"),
+    (["status", "--redis", "redis://127.0.0.1:1/0", "--gate", "bad name!"], "gate name"),
+    (["status", "--redis", "redis://127.0.0.1:1/0", "--gate", "g", "--pressure-threshold", "1.5"],
+     "pressure_threshold"),
+    (["top", "--redis", "redis://127.0.0.1:1/0", "--gate", "g", "--iterations", "0"], "must be >= 1"),
+    (["poller", "--redis", "redis://127.0.0.1:1/0", "--gate", "g", "--engine", "http://b", "--metrics-port",
+      "70000"], "not a TCP port"),
+    ([], "required"),
+])
+def test_argument_errors(argv, needle, capsys, monkeypatch):
+    monkeypatch.delenv("KVGATE_REDIS_URL", raising=False)
+    monkeypatch.delenv("KVGATE_GATE", raising=False)
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    assert ei.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_status_redis_down_is_a_message(capsys):
+    rc = main(["status", "--redis", f"redis://127.0.0.1:{free_port()}/0", "--gate", "g", "--json"])
+    assert rc == 1
+    assert "cannot read gate 'g'" in capsys.readouterr().err
+
+
+def test_bench_delegates_or_explains(capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(["bench", "--help"])
+    assert ei.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: kvgate bench" in out
+
+
+# -- status / top against a real gate ---------------------------------------------------------
+@pytest.fixture
+def engine():
+    s = FakeHTTP().start()
+    s.route("GET", "/metrics", text(sglang_metrics(50_000, 10_000)))
+    yield s
+    s.stop()
+
+
+@pytest.mark.redis_real
+def test_status_json_and_rich(redis_url, engine, capsys):
+    gate = kvgate.Gate.from_url(redis_url, gate="cli")
+    gate.write_snapshot([kvgate.EngineState(engine_id=engine.url, capacity_tokens=50_000, used_tokens=10_000,
+                                            url=engine.url)])
+    assert main(["status", "--redis", redis_url, "--gate", "cli", "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["capacity"] == 50_000 and st["ceiling"] == 45_000 and st["degraded"] is False
+    assert st["engines"][0]["id"] == engine.url and st["poller_leader"] is None
+    assert main(["status", "--redis", redis_url, "--gate", "cli", "--headroom", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "engines" in out and engine.url in out and "25.00k" in out  # ceiling with the flag's headroom
+
+
+@pytest.mark.redis_real
+def test_top_refreshes_a_bounded_number_of_times(redis_url):
+    gate = kvgate.Gate.from_url(redis_url, gate="topg")
+    gate.write_snapshot([kvgate.EngineState(engine_id="e1", capacity_tokens=1000, used_tokens=900)])
+    r = run_cli("top", "--redis", redis_url, "--gate", "topg", "--iterations", "3", "--refresh", "0.1")
+    assert r.returncode == 0, r.stderr
+    assert "kvgate top topg" in r.stdout and "e1" in r.stdout
+
+
+# -- pollers as processes -----------------------------------------------------------------------
+def _start_poller(redis_url: str, gate: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvgate.cli", "--log-level", "WARNING", "poller", "--redis", redis_url,
+         "--gate", gate, "--interval", "0.2", "--leader-ttl", "1.0", "--http-timeout", "0.5", *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env_without_proxies())
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+def _leader_pid(client, gate: str) -> int | None:
+    v = client.get(leader_key(gate))
+    if v is None:
+        return None
+    return int(v.decode().split(":")[1])  # identity is host:pid:random
+
+
+@pytest.mark.redis_real
+@pytest.mark.slow
+def test_kill_leader_standby_takes_over(redis_url, engine):
+    import redis as redis_lib
+
+    r = redis_lib.Redis.from_url(redis_url)
+    gate = kvgate.Gate.from_url(redis_url, gate="ha", config=kvgate.GateConfig(staleness_s=3.0))
+    procs = [_start_poller(redis_url, "ha", "--engine", engine.url) for _ in range(2)]
+    try:
+        leader = wait_until(lambda: _leader_pid(r, "ha"), timeout=20)
+        assert leader in {p.pid for p in procs}
+        wait_until(lambda: not gate.status()["degraded"], timeout=10)
+        dead = next(p for p in procs if p.pid == leader)
+        standby = next(p for p in procs if p.pid != leader)
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.wait(timeout=10)
+        killed_at_ts = int(r.hget(gate.key("snapshot"), "ts_ms"))
+        wait_until(lambda: _leader_pid(r, "ha") == standby.pid, timeout=15)
+        # the new leader writes: the snapshot's timestamp moves past the kill and stays fresh
+        wait_until(lambda: int(r.hget(gate.key("snapshot"), "ts_ms")) > killed_at_ts + 500, timeout=10)
+        st = gate.status()
+        assert not st["degraded"] and st["capacity"] == 50_000
+        assert standby.poll() is None
+    finally:
+        for p in procs:
+            _stop(p)
+
+
+@pytest.mark.redis_real
+@pytest.mark.slow
+def test_sigterm_releases_lease_and_metrics_endpoint(redis_url, engine):
+    import redis as redis_lib
+
+    r = redis_lib.Redis.from_url(redis_url)
+    port = free_port()
+    p = _start_poller(redis_url, "mp", "--engine", engine.url, "--metrics-port", str(port))
+    try:
+        wait_until(lambda: _leader_pid(r, "mp") == p.pid, timeout=20)
+
+        def scrape():
+            try:
+                body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2, trust_env=False).text
+            except httpx.HTTPError:
+                return None
+            return body if "kvgate_poller_writes_total" in body else None
+
+        body = wait_until(scrape, timeout=15)
+        assert 'kvgate_poller_leader{gate="mp"' in body
+        assert "kvgate_ceiling_tokens" in body  # the lead's GateCollector in the same registry
+        os.kill(p.pid, signal.SIGTERM)
+        assert p.wait(timeout=15) == 0
+        assert r.get(leader_key("mp")) is None  # released, not left to expire
+    finally:
+        _stop(p)
