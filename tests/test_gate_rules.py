@@ -1,0 +1,597 @@
+"""Every rule and reason of the decision table (SPEC section 4), on fakeredis and on a
+real redis-server started by the tests. Time is injected into the scripts where a test
+needs to move it; waits that involve other threads use the real clock."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+import kvgate
+from kvgate.probe import FakeProbe
+
+from _gatehelpers import Clock, engines, make_client, script
+
+FAST = dict(wait_poll_s=0.2, max_wait_s=2.0, staleness_s=6.0)
+
+
+@pytest.fixture(params=["fake", "real"])
+def backend(request):
+    if request.param == "real":
+        url = request.getfixturevalue("redis_url")
+        return lambda: make_client("real", url)
+    server_client = make_client("fake", None)
+    pool_kwargs = server_client.connection_pool.connection_kwargs
+    import fakeredis
+    return lambda: fakeredis.FakeRedis(server=pool_kwargs["server"])
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+def mkgate(backend, clock=None, probe=None, **cfg):
+    conf = kvgate.GateConfig(**{**FAST, **cfg})
+    return kvgate.Gate(backend(), gate="g1", config=conf, probe=probe, clock_ms=clock)
+
+
+def ledger(gate) -> int:
+    return int(gate.redis.hget(gate.key("ledger"), "reserved") or 0)
+
+
+# -- rule 1: pass-through ---------------------------------------------------------------
+def test_rule1_no_feature_passes_through(backend):
+    g = mkgate(backend, admission=False, residency=False)
+    lease = g.acquire("s", prompt_tokens=10, max_new_tokens=10)
+    assert (lease.outcome, lease.reason, lease.held) == ("pass", "", False)
+    assert g.redis.keys("*") == []  # nothing touched Redis
+
+
+def test_rule1_scope(backend, clock):
+    g = mkgate(backend, clock)
+    g.write_snapshot(engines())
+    assert g.acquire("s", prompt_tokens=1, max_new_tokens=1, scope="eval").outcome == "pass"
+    g_all = mkgate(backend, clock, scope="all")
+    lease = g_all.acquire("s", prompt_tokens=1, max_new_tokens=1, scope="eval")
+    assert (lease.outcome, lease.reason) == ("admit", "open")
+
+
+# -- rule 2: protected --------------------------------------------------------------------
+def test_rule2_protected_bypasses_even_under_pressure(backend, clock):
+    g = mkgate(backend, clock)
+    g.write_snapshot(engines(usage=0.99))
+    lease = g.acquire("s", prompt_tokens=10, max_new_tokens=10, protected=True)
+    assert (lease.outcome, lease.reason) == ("bypass", "protected")
+    assert ledger(g) == 0
+
+
+def test_rule2_protected_when_redis_down():
+    g = kvgate.Gate.from_url("redis://127.0.0.1:1/0", gate="g", config=kvgate.GateConfig(redis_timeout_s=0.2))
+    lease = g.acquire("s", prompt_tokens=1, max_new_tokens=1, protected=True)
+    assert (lease.outcome, lease.reason) == ("bypass", "protected")
+
+
+# -- rule 3: degraded ---------------------------------------------------------------------
+def test_rule3_no_snapshot_is_degraded(backend, clock):
+    g = mkgate(backend, clock)
+    lease = g.acquire("s", prompt_tokens=10, max_new_tokens=10)
+    assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+
+
+def test_rule3_stale_snapshot_is_degraded(backend, clock):
+    g = mkgate(backend, clock, staleness_s=6.0)
+    g.write_snapshot(engines())
+    clock.advance(5.9)
+    assert g.acquire("s", prompt_tokens=1, max_new_tokens=1).reason == "open"
+    clock.advance(0.2)
+    assert g.acquire("s", prompt_tokens=1, max_new_tokens=1).reason == "degraded"
+
+
+def test_rule3_no_healthy_engine_is_degraded(backend, clock):
+    g = mkgate(backend, clock)
+    g.write_snapshot(engines(healthy=False))
+    assert g.acquire("s", prompt_tokens=1, max_new_tokens=1).reason == "degraded"
+
+
+def test_rule3_redis_unreachable_fails_open_fast():
+    g = kvgate.Gate.from_url("redis://127.0.0.1:1/0", gate="g", config=kvgate.GateConfig(redis_timeout_s=0.3))
+    t0 = time.monotonic()
+    for _ in range(20):
+        lease = g.acquire("s", prompt_tokens=1, max_new_tokens=1)
+        assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+        lease.release()
+    assert g.finish_session("s")["session_id"] == "s"
+    m = g.step_metrics()
+    assert m["agentic_kv/admission/bypass_degraded"] == 20
+    assert m["agentic_kv/budget/degraded"] == 1.0
+    assert time.monotonic() - t0 < 10  # a bound on the hang, not a performance claim
+
+
+def test_rule3_waiting_ticket_bypasses_when_snapshot_goes_stale(backend, clock):
+    g = mkgate(backend, clock)
+    g.write_snapshot(engines(usage=0.95))
+    r = script(g, "acquire", ticket="t1", session="s", need=10, probe=-2)
+    assert r["o"] == "wait"
+    clock.advance(7)
+    r = script(g, "acquire", ticket="t1", session="s", need=10, probe=-2)
+    assert (r["o"], r["r"]) == ("bypass", "degraded")
+    assert g.redis.zcard(g.key("fifo")) == 0
+
+
+# -- rule 4: idempotent per ticket --------------------------------------------------------
+def test_rule4_same_ticket_same_lease_charged_once(backend, clock):
+    g = mkgate(backend, clock)
+    g.write_snapshot(engines())
+    a = script(g, "acquire", ticket="t1", session="s", need=100, probe=-2)
+    b = script(g, "acquire", ticket="t1", session="s", need=100, probe=-2)
+    assert a["o"] == b["o"] == "admit" and b.get("held") == 1
+    assert ledger(g) == 100
+    assert int(g.redis.hget(g.key("stats"), "admit")) == 1
+    assert script(g, "release", ticket="t1")["released"] == 1
+    assert script(g, "release", ticket="t1")["released"] == 0
+    assert ledger(g) == 0
+
+
+# -- rule 6: open, and the three wait reasons --------------------------------------------
+def test_rule6_open_and_capacity_exhausted(backend, clock):
+    g = mkgate(backend, clock, headroom=0.5)
+    g.write_snapshot(engines(cap=1000, usage=0.1))  # ceiling 500
+    a = g.acquire("a", prompt_tokens=300, max_new_tokens=100)
+    assert (a.reason, a.tokens) == ("open", 400)
+    r = script(g, "acquire", ticket="tb", session="b", need=200, probe=-2)
+    assert (r["o"], r["r"]) == ("wait", "capacity_exhausted")
+    # strict FIFO: a small turn that would fit still queues behind the head
+    r = script(g, "acquire", ticket="tc", session="c", need=50, probe=-2)
+    assert (r["o"], r["r"]) == ("wait", "queued")
+    a.release()  # frees 400 -> head (200) granted, then c (50) fits too
+    assert g.redis.hget(g.key("leases"), "tb") is not None
+    assert g.redis.hget(g.key("leases"), "tc") is not None
+    assert ledger(g) == 250
+    rb = script(g, "acquire", ticket="tb", session="b", need=200, probe=-2)
+    assert (rb["o"], rb["r"]) == ("admit", "open")
+
+
+def test_rule6_expected_decode_cap_sizes_the_reservation(backend, clock):
+    g = mkgate(backend, clock, expected_decode_cap=64)
+    g.write_snapshot(engines())
+    lease = g.acquire("s", prompt_ids=list(range(100)), max_new_tokens=1000)
+    assert lease.tokens == 164 and ledger(g) == 164
+
+
+def test_rule6_pressure_guard(backend, clock):
+    g = mkgate(backend, clock, residency=False)
+    g.write_snapshot(engines(usage=0.93))
+    r = script(g, "acquire", ticket="t", session="s", need=1, probe=-2)
+    assert (r["o"], r["r"]) == ("wait", "pressure_guard")
+
+
+def test_fifo_head_that_does_not_fit_blocks_later_small_ones(backend, clock):
+    g = mkgate(backend, clock, headroom=1.0, residency=False)
+    g.write_snapshot(engines(cap=1000))
+    big = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
+    assert script(g, "acquire", ticket="t2", session="b", need=500, probe=-2)["r"] == "capacity_exhausted"
+    assert script(g, "acquire", ticket="t3", session="c", need=10, probe=-2)["r"] == "queued"
+    g.housekeep()
+    assert g.redis.hget(g.key("leases"), "t3") is None  # would fit, must not jump the head
+    big.release()
+    assert g.redis.hget(g.key("leases"), "t2") is not None
+    assert g.redis.hget(g.key("leases"), "t3") is not None
+
+
+# -- rules 5 and 7: residency, windows ---------------------------------------------------
+def test_rule7_resident_prefix_and_rule5_window(backend, clock):
+    probe = FakeProbe({"hot": 0.95, "cold": 0.1})
+    g = mkgate(backend, clock, probe=probe, idle_grace_s=30)
+    g.write_snapshot(engines(usage=0.88))  # between high_watermark and pressure_threshold
+    hot = g.acquire("hot", prompt_ids=[1] * 100, max_new_tokens=20)
+    assert (hot.outcome, hot.reason) == ("admit", "resident_prefix")
+    assert g.redis.hexists(g.key("windows"), "hot")
+    hot.release()
+    assert ledger(g) == 120  # an idle window stays charged
+    n_calls = len(probe.calls)
+    again = g.acquire("hot", prompt_ids=[1] * 150, max_new_tokens=20)
+    assert again.reason == "reserved_session"
+    assert len(probe.calls) == n_calls  # rule 5 never probes
+    assert ledger(g) == 170  # the window is re-sized to the new turn, charged once
+    again.release()
+    r = script(g, "acquire", ticket="tc", session="cold", need=10, probe=0.1)
+    assert (r["o"], r["r"]) == ("wait", "cold_prefix")
+    clock.advance(31)
+    g.housekeep()
+    assert not g.redis.hexists(g.key("windows"), "hot")
+    assert int(g.redis.hget(g.key("stats"), "window_expired")) == 1
+
+
+def test_window_ends_at_finish_session(backend, clock):
+    g = mkgate(backend, clock, probe=FakeProbe(default=1.0))
+    g.write_snapshot(engines(usage=0.88))
+    with g.turn("s", prompt_tokens=0, prompt_ids=None, max_new_tokens=5) if False else g.turn(
+            "s", prompt_ids=[1, 2, 3], max_new_tokens=5) as lease:
+        assert lease.reason == "resident_prefix"
+    assert ledger(g) == 8
+    out = g.finish_session("s")
+    assert out["window"] == 1 and out["freed"] == 8
+    assert ledger(g) == 0
+
+
+def test_above_pressure_only_window_owners(backend, clock):
+    g = mkgate(backend, clock, probe=FakeProbe(default=1.0))
+    g.write_snapshot(engines(usage=0.88))
+    g.acquire("owner", prompt_ids=[1] * 10, max_new_tokens=1).release()
+    g.write_snapshot(engines(usage=0.95))
+    assert g.acquire("owner", prompt_ids=[1] * 10, max_new_tokens=1).reason == "reserved_session"
+    r = script(g, "acquire", ticket="t", session="other", need=5, probe=-1)
+    assert (r["o"], r["r"]) == ("wait", "pressure_guard")  # no probe above the guard
+
+
+def test_retain_false_opens_no_window(backend, clock):
+    g = mkgate(backend, clock, probe=FakeProbe(default=1.0))
+    g.write_snapshot(engines(usage=0.88))
+    lease = g.acquire("s", prompt_ids=[1] * 10, max_new_tokens=1, retain_session=False)
+    assert lease.reason == "resident_prefix"
+    lease.release()
+    assert ledger(g) == 0 and not g.redis.hexists(g.key("windows"), "s")
+
+
+# -- rule 8: residency without admission fails open ---------------------------------------
+@pytest.mark.parametrize("probe", [None, FakeProbe(raises=RuntimeError("engine down")),
+                                   FakeProbe(default=0.9, delay_s=0.5), FakeProbe(default=None)])
+def test_rule8_probe_unavailable_admits(backend, clock, probe):
+    g = mkgate(backend, clock, probe=probe, admission=False, probe_timeout_s=0.1)
+    g.write_snapshot(engines(usage=0.97))
+    lease = g.acquire("s", prompt_ids=[1] * 10, max_new_tokens=1)
+    assert (lease.outcome, lease.reason) == ("admit", "prefix_probe_unavailable")
+
+
+def test_failed_probe_with_admission_waits(backend, clock):
+    g = mkgate(backend, clock, probe=FakeProbe(raises=RuntimeError("x")), max_wait_s=0.0)
+    g.write_snapshot(engines(usage=0.88))
+    lease = g.acquire("s", prompt_ids=[1] * 10, max_new_tokens=1)
+    assert (lease.outcome, lease.reason) == ("bypass", "aged")  # it would have waited
+
+
+# -- waiting: aging, grants, preemption, cancellation --------------------------------------
+def test_aged_bypass_after_max_wait(backend):
+    g = mkgate(backend, max_wait_s=0.5, wait_poll_s=0.1)
+    g.write_snapshot(engines(usage=0.95))
+    t0 = time.monotonic()
+    lease = g.acquire("s", prompt_tokens=1, max_new_tokens=1)
+    assert (lease.outcome, lease.reason) == ("bypass", "aged")
+    assert 0.5 <= time.monotonic() - t0 < 0.5 + 0.1 + 2.0  # bound, with scheduler slack
+    assert g.redis.zcard(g.key("fifo")) == 0
+
+
+def test_waiter_is_granted_when_a_lease_is_released(backend):
+    g = mkgate(backend, headroom=1.0, residency=False, wait_poll_s=5.0, max_wait_s=10.0)
+    g.write_snapshot(engines(cap=100))
+    first = g.acquire("a", prompt_tokens=80, max_new_tokens=0)
+    result = {}
+
+    def waiter():
+        g2 = mkgate(backend, headroom=1.0, residency=False, wait_poll_s=5.0, max_wait_s=10.0)
+        result["lease"] = g2.acquire("b", prompt_tokens=50, max_new_tokens=0)
+        g2.close()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    deadline = time.monotonic() + 5
+    while g.redis.zcard(g.key("fifo")) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # let the waiter subscribe
+    t0 = time.monotonic()
+    first.release()
+    t.join(timeout=10)
+    assert not t.is_alive()
+    lease = result["lease"]
+    assert (lease.outcome, lease.reason) == ("admit", "open") and lease.waited_s > 0
+    assert time.monotonic() - t0 < 4.0  # woken by pub/sub, well before its 5 s poll
+    m = g.step_metrics()
+    assert m["agentic_kv/admission/wait_seconds_mean"] > 0
+
+
+def test_newer_attempt_preempts_older_waiting_one(backend):
+    g = mkgate(backend, max_wait_s=10.0, wait_poll_s=5.0)
+    g.write_snapshot(engines(usage=0.95))
+    errors = []
+
+    def old_attempt():
+        g2 = mkgate(backend, max_wait_s=10.0, wait_poll_s=5.0)
+        try:
+            g2.acquire("s", prompt_tokens=1, max_new_tokens=1)
+        except kvgate.Preempted as e:
+            errors.append(e)
+        g2.close()
+
+    t = threading.Thread(target=old_attempt)
+    t.start()
+    deadline = time.monotonic() + 5
+    while g.redis.zcard(g.key("fifo")) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    old_seq = g.redis.zrange(g.key("fifo"), 0, 0, withscores=True)[0][1]
+    time.sleep(0.3)
+    r = script(g, "acquire", ticket="new", session="s", need=2, probe=-2)
+    assert r["o"] == "wait"
+    t.join(timeout=8)
+    assert not t.is_alive() and len(errors) == 1 and errors[0].reason == "preempted"
+    assert g.num_preempted("s") == 1
+    # the newer attempt inherited the older one's FIFO place
+    assert g.redis.zscore(g.key("fifo"), "new") == old_seq
+    assert g.finish_session("s")["num_preempted"] == 1
+    assert g.num_preempted("s") == 0
+
+
+def test_abort_event_cancels_a_waiter(backend):
+    g = mkgate(backend, max_wait_s=10.0, wait_poll_s=5.0)
+    g.write_snapshot(engines(usage=0.95))
+    ev = threading.Event()
+    threading.Timer(0.3, ev.set).start()
+    with pytest.raises(kvgate.AdmissionCancelled):
+        g.acquire("s", prompt_tokens=1, max_new_tokens=1, abort_event=ev)
+    assert g.redis.zcard(g.key("fifo")) == 0
+    assert g.step_metrics()["agentic_kv/admission/cancelled"] == 1
+
+
+def test_timeout_cancels_a_waiter(backend):
+    g = mkgate(backend, max_wait_s=10.0, wait_poll_s=0.1)
+    g.write_snapshot(engines(usage=0.95))
+    with pytest.raises(kvgate.AdmissionTimeout):
+        g.acquire("s", prompt_tokens=1, max_new_tokens=1, timeout_s=0.3)
+    assert g.redis.zcard(g.key("fifo")) == 0 and g.redis.hlen(g.key("waiters")) == 0
+
+
+def test_cancel_after_grant_releases_the_lease(backend, clock):
+    g = mkgate(backend, clock, headroom=1.0, residency=False)
+    g.write_snapshot(engines(cap=100))
+    script(g, "acquire", ticket="a", session="a", need=100, probe=-2)
+    assert script(g, "acquire", ticket="b", session="b", need=50, probe=-2)["o"] == "wait"
+    script(g, "release", ticket="a")  # grants b while its caller is being cancelled
+    assert ledger(g) == 50
+    assert script(g, "cancel", ticket="b")["removed"] == "lease"
+    assert ledger(g) == 0
+
+
+def test_finish_session_stops_its_waiting_attempt(backend, clock):
+    g = mkgate(backend, clock)
+    g.write_snapshot(engines(usage=0.95))
+    assert script(g, "acquire", ticket="t", session="s", need=1, probe=-2)["o"] == "wait"
+    assert g.finish_session("s")["stopped"] == "t"
+    r = script(g, "acquire", ticket="t", session="s", need=1, probe=-2)
+    assert (r["o"], r["r"]) == ("preempted", "session_finished")
+
+
+# -- reclaim: TTL, dead waiters ------------------------------------------------------------
+def test_lease_ttl_reclaim(backend, clock):
+    g = mkgate(backend, clock, lease_ttl_s=10)
+    g.write_snapshot(engines())
+    g.acquire("s", prompt_tokens=100, max_new_tokens=0)
+    clock.advance(9)
+    g.write_snapshot(engines())
+    assert g.housekeep()["leases"] == 0 and ledger(g) == 100
+    clock.advance(2)
+    assert g.housekeep()["leases"] == 1
+    assert ledger(g) == 0
+    assert g.step_metrics()["agentic_kv/budget/lease_expired"] == 1
+
+
+def test_dead_waiter_does_not_block_the_head(backend, clock):
+    g = mkgate(backend, clock, headroom=1.0, residency=False, wait_poll_s=1.0, max_wait_s=60)
+    g.write_snapshot(engines(cap=100))
+    script(g, "acquire", ticket="a", session="a", need=100, probe=-2)
+    assert script(g, "acquire", ticket="dead", session="d", need=60, probe=-2)["o"] == "wait"
+    clock.advance(2)
+    # it would not fit either: the ledger reason wins over "queued"
+    assert script(g, "acquire", ticket="live", session="l", need=60, probe=-2)["r"] == "capacity_exhausted"
+    clock.advance(1.5)  # "dead" missed its polls: liveness (2 polls + 1 s) passed
+    g.write_snapshot(engines(cap=100))
+    script(g, "acquire", ticket="live", session="l", need=60, probe=-2)  # its own poll
+    script(g, "release", ticket="a")
+    assert g.redis.hget(g.key("leases"), "live") is not None
+    assert g.redis.hget(g.key("leases"), "dead") is None
+
+
+def test_unclaimed_grant_is_reclaimed(backend, clock):
+    g = mkgate(backend, clock, headroom=1.0, residency=False, wait_poll_s=1.0)
+    g.write_snapshot(engines(cap=100))
+    script(g, "acquire", ticket="a", session="a", need=100, probe=-2)
+    script(g, "acquire", ticket="b", session="b", need=50, probe=-2)
+    script(g, "release", ticket="a")
+    assert ledger(g) == 50
+    clock.advance(3.1)  # claim deadline (2 polls + 1 s) passed; b's process is gone
+    g.write_snapshot(engines(cap=100))
+    assert g.housekeep()["leases"] == 1 and ledger(g) == 0
+
+
+# -- epochs ----------------------------------------------------------------------------------
+def test_epoch_bumps_when_healthy_set_changes(backend, clock):
+    g = mkgate(backend, clock, probe=FakeProbe(default=1.0))
+    r = g.write_snapshot(engines(n=2))
+    assert (r.epoch, r.bumped, r.capacity_tokens) == (0, False, 20_000)
+    assert g.write_snapshot(engines(n=2)).bumped is False
+    es = engines(n=2)
+    es[1] = kvgate.EngineState(es[1].engine_id, capacity_tokens=10_000, healthy=False)
+    r = g.write_snapshot(es)
+    assert (r.epoch, r.bumped, r.capacity_tokens) == (1, True, 10_000)
+    assert g.bump_epoch() == 2
+    assert g.status()["epoch"] == 2
+
+
+def test_window_of_an_old_epoch_is_not_honoured(backend, clock):
+    g = mkgate(backend, clock, probe=FakeProbe(default=0.0))
+    g.write_snapshot(engines(usage=0.88))
+    script(g, "acquire", ticket="t", session="s", need=10, probe=0.95, retain=1)
+    script(g, "release", ticket="t")
+    assert ledger(g) == 10
+    g.bump_epoch()
+    r = script(g, "acquire", ticket="t2", session="s", need=10, probe=0.1)
+    assert (r["o"], r["r"]) == ("wait", "cold_prefix")
+    assert ledger(g) == 0  # the stale window ended and gave its charge back
+
+
+# -- scripts survive SCRIPT FLUSH ------------------------------------------------------------
+def test_noscript_recovery(backend, clock):
+    g = mkgate(backend, clock)
+    g.write_snapshot(engines())
+    g.redis.script_flush()
+    lease = g.acquire("s", prompt_tokens=1, max_new_tokens=1)
+    assert lease.reason == "open"
+    g.redis.script_flush()
+    assert lease.release() is True
+
+
+# -- bad input never touches Redis ----------------------------------------------------------
+@pytest.mark.parametrize("kwargs, msg", [
+    (dict(session_id="", prompt_tokens=1, max_new_tokens=1), "session_id"),
+    (dict(session_id=5, prompt_tokens=1, max_new_tokens=1), "session_id"),
+    (dict(session_id="s", max_new_tokens=1), "exactly one"),
+    (dict(session_id="s", prompt_tokens=1, prompt_ids=[1], max_new_tokens=1), "exactly one"),
+    (dict(session_id="s", prompt_ids="abc", max_new_tokens=1), "prompt_ids"),
+    (dict(session_id="s", prompt_tokens=-1, max_new_tokens=1), "prompt_tokens"),
+    (dict(session_id="s", prompt_tokens=1, max_new_tokens=-3), "max_new_tokens"),
+    (dict(session_id="s", prompt_tokens=1, max_new_tokens=None), "max_new_tokens"),
+    (dict(session_id="s", prompt_tokens=1, max_new_tokens=1, scope="test"), "scope"),
+    (dict(session_id="s", prompt_tokens=1, max_new_tokens=1, turn_index=-1), "turn_index"),
+    (dict(session_id="s", prompt_tokens=1, max_new_tokens=1, abort_event=True), "abort_event"),
+])
+def test_bad_turn_arguments(kwargs, msg):
+    class Boom:
+        def register_script(self, src):
+            def call(*a, **k):
+                raise AssertionError("Redis was touched")
+            return call
+
+        def __getattr__(self, name):
+            raise AssertionError("Redis was touched")
+
+    g = kvgate.Gate(Boom(), gate="g")
+    sid = kwargs.pop("session_id")
+    with pytest.raises(ValueError, match=msg):
+        g.acquire(sid, **kwargs)
+
+
+@pytest.mark.parametrize("bad", [[object()], [kvgate.EngineState("a", 1), kvgate.EngineState("a", 1)]])
+def test_bad_snapshot(backend, bad):
+    g = mkgate(backend)
+    with pytest.raises(ValueError):
+        g.write_snapshot(bad)
+
+
+@pytest.mark.parametrize("kw", [dict(capacity_tokens=-1), dict(capacity_tokens=10, usage=1.5),
+                                dict(capacity_tokens=0), dict(capacity_tokens=10, used_tokens=-2),
+                                dict(capacity_tokens=10, hit_rate=float("nan"))])
+def test_bad_engine_state(kw):
+    with pytest.raises(ValueError):
+        kvgate.EngineState("e", **kw)
+
+
+def test_bad_gate_name():
+    with pytest.raises(ValueError, match="gate name"):
+        kvgate.Gate(None, gate="a b{c}")
+
+
+# -- asyncio ----------------------------------------------------------------------------------
+def test_async_turn_window_and_cancel(redis_url):
+    async def main():
+        cfg = kvgate.GateConfig(**{**FAST, "max_wait_s": 10.0, "wait_poll_s": 5.0})
+        g = kvgate.AsyncGate.from_url(redis_url, gate="ag", config=cfg, probe=FakeProbe({"hot": 0.99}))
+        await g.write_snapshot(engines(usage=0.88))
+        async with g.turn("hot", prompt_ids=[1] * 10, max_new_tokens=5) as lease:
+            assert lease.reason == "resident_prefix"
+        async with g.turn("hot", prompt_ids=[1] * 12, max_new_tokens=5) as lease:
+            assert lease.reason == "reserved_session"
+        task = asyncio.create_task(g.acquire("cold", prompt_ids=[2] * 10, max_new_tokens=5))
+        for _ in range(200):
+            if await g.redis.zcard(g.key("fifo")):
+                break
+            await asyncio.sleep(0.01)
+        assert await g.redis.zcard(g.key("fifo")) == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await g.redis.zcard(g.key("fifo")) == 0
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(g.acquire("cold", prompt_ids=[2] * 10, max_new_tokens=5), 0.3)
+        assert await g.redis.zcard(g.key("fifo")) == 0
+        out = await g.finish_session("hot")
+        assert out["window"] == 1
+        m = await g.step_metrics()
+        assert m["agentic_kv/admission/cancelled"] == 2
+        assert m["agentic_kv/admission/admit_reserved_session"] == 1
+        st = await g.status()
+        assert st["reserved"] == 0 and st["waiting"] == 0
+        await g.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_preemption_and_grant(redis_url):
+    async def main():
+        cfg = kvgate.GateConfig(**{**FAST, "max_wait_s": 10.0, "wait_poll_s": 5.0, "residency": False,
+                                   "headroom": 1.0})
+        g = kvgate.AsyncGate.from_url(redis_url, gate="ag2", config=cfg)
+        await g.write_snapshot(engines(cap=100))
+        big = await g.acquire("a", prompt_tokens=100, max_new_tokens=0)
+        old = asyncio.create_task(g.acquire("s", prompt_tokens=10, max_new_tokens=0))
+        await asyncio.sleep(0.3)
+        new = asyncio.create_task(g.acquire("s", prompt_tokens=10, max_new_tokens=0))
+        with pytest.raises(kvgate.Preempted):
+            await asyncio.wait_for(old, 5)
+        await asyncio.sleep(0.2)
+        await big.release()
+        lease = await asyncio.wait_for(new, 4)  # woken by the grant, not by its 5 s poll
+        assert (lease.reason, lease.tokens) == ("open", 10)
+        assert await g.num_preempted("s") == 1
+        await lease.release()
+        await g.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_redis_down_fails_open():
+    async def main():
+        g = kvgate.AsyncGate.from_url("redis://127.0.0.1:1/0", gate="g",
+                                      config=kvgate.GateConfig(redis_timeout_s=0.2))
+        for _ in range(5):
+            async with g.turn("s", prompt_tokens=1, max_new_tokens=1) as lease:
+                assert lease.reason == "degraded"
+        await g.finish_session("s")
+        await g.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+# -- metrics -----------------------------------------------------------------------------------
+def test_step_metrics_drain_and_names(backend, clock):
+    g = mkgate(backend, clock, session_lifecycle=False)
+    g.write_snapshot(engines(usage=0.2))
+    g.write_snapshot(engines(usage=0.6))
+    with g.turn("s", prompt_tokens=5, max_new_tokens=5, turn_index=3):
+        pass
+    m = g.step_metrics()
+    assert m["agentic_kv/admission/admit"] == 1
+    assert m["agentic_kv/admission/admit_open"] == 1
+    assert m["agentic_kv/budget/kv_token_usage_mean"] == pytest.approx(0.4)
+    assert m["agentic_kv/budget/kv_token_usage_max"] == pytest.approx(0.6)
+    assert m["agentic_kv/budget/ceiling"] == 9000
+    assert "agentic_kv/latency/turn_3_mean_s" in m
+    assert "agentic_kv/session/lifecycle_enabled" not in m
+    m2 = g.step_metrics()
+    assert m2["agentic_kv/admission/admit"] == 0  # drained once per step
+    assert "agentic_kv/budget/kv_token_usage_mean" not in m2
+
+
+def test_prometheus_collector(backend, clock):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvgate.metrics import GateCollector
+
+    g = mkgate(backend, clock)
+    g.write_snapshot(engines(usage=0.2))
+    g.acquire("s", prompt_tokens=5, max_new_tokens=5).release()
+    reg = CollectorRegistry()
+    reg.register(GateCollector(g))
+    text = generate_latest(reg).decode()
+    assert 'kvgate_admissions_total{gate="g1",reason="open"} 1.0' in text
+    assert 'kvgate_up{gate="g1"} 1.0' in text
