@@ -229,9 +229,11 @@ def parse_metrics(text: str) -> EngineMetrics:
             for g in groups.values():
                 if g.capacity_info is None:
                     g.capacity_info = only
-        # An info-only group (engine label absent or "") next to real engines is not an engine.
-        if None in groups and len(groups) > 1 and not _has_engine_values(groups[None], kind):
-            del groups[None]
+
+    # Series without a DP label next to DP-labelled ones are server-wide (SGLang's tokenizer
+    # counters, vLLM's engine="" info row), not an engine of their own.
+    if None in groups and len(groups) > 1 and not _has_engine_values(groups[None], kind):
+        del groups[None]
 
     ranks: list[RankMetrics] = []
     for dp in sorted(groups, key=lambda d: (d is not None, _rank_sort_key(d))):

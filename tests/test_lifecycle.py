@@ -106,3 +106,48 @@ def test_bad_arguments_before_any_request(engines, kw):
     with pytest.raises(ValueError):
         asyncio.run(aclose_session(urls, sid, **args))
     assert engines[0].closed == []
+
+
+# -- end to end against the SGLang simulator --------------------------------------------------
+def _sim_gauge(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = httpx.get(url + "/metrics", timeout=5, trust_env=False).text
+    vals = [s.value for f in text_string_to_metric_families(body) for s in f.samples if s.name == name]
+    assert vals, f"{name} missing from {url}/metrics"
+    return max(vals)
+
+
+@pytest.mark.redis_real
+def test_finish_session_frees_kv_on_live_engines_and_counts_the_dead_one(redis_url):
+    sim = pytest.importorskip("kvgate.sim")
+    import kvgate
+    from kvgate.poller import Poller
+
+    with sim.SimCluster(3, router=True, session_radix_cache=True, time_scale=0.01) as c:
+        gate = kvgate.Gate.from_url(redis_url, gate="life", config=kvgate.GateConfig(
+            session_lifecycle=True, close_timeout_s=1.0))
+        assert Poller(gate, router=c.router_url).tick().wrote
+        assert gate.engine_urls() == sorted(c.engine_urls)
+        sid = "agent-42"
+        prompt = list(range(1, 513))
+        with httpx.Client(trust_env=False, timeout=30) as http:
+            for url in c.engine_urls:  # one turn of the session on every engine
+                with gate.turn(sid, prompt_ids=prompt, max_new_tokens=8) as lease:
+                    assert lease.outcome == "admit"
+                    payload = with_session_id({"input_ids": prompt, "sampling_params": {"max_new_tokens": 8}}, sid)
+                    r = http.post(url + "/generate", json=payload)
+                    assert r.status_code == 200, r.text
+        for url in c.engine_urls:
+            assert _sim_gauge(url, "kvgate_sim:open_sessions") == 1  # the session pins its KV
+        evictable_before = [_sim_gauge(u, "sglang:kv_evictable_tokens") for u in c.engine_urls[:2]]
+        c.stop_engine(2)
+        out = gate.finish_session(sid)
+        assert out["close"] == {"attempts": 3, "failures": 1}
+        for url, before in zip(c.engine_urls[:2], evictable_before):
+            assert _sim_gauge(url, "kvgate_sim:open_sessions") == 0
+            assert _sim_gauge(url, "sglang:kv_evictable_tokens") > before  # back in eviction order
+        m = gate.step_metrics()
+        assert m["agentic_kv/session/close"] == 3 and m["agentic_kv/session/close_failure"] == 1
+        # closing again is harmless (idempotent on the engines)
+        assert gate.finish_session(sid)["close"] == {"attempts": 3, "failures": 1}

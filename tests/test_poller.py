@@ -247,3 +247,22 @@ def test_clients_degrade_when_pollers_stop_and_recover(redis_url, servers):
 def test_bad_arguments(redis_url, kw):
     with pytest.raises(ValueError):
         Poller(make_gate(redis_url), **kw)
+
+
+def test_against_simulated_sglang_cluster_with_dp_and_router_health(redis_url):
+    sim = pytest.importorskip("kvgate.sim")
+    with sim.SimCluster(2, router=True, tp_size=2, dp_size=2, time_scale=0.01) as c:
+        gate = make_gate(redis_url, name="simg")
+        p = Poller(gate, router=c.router_url)
+        r = p.tick()
+        assert r.wrote and not r.errors
+        ids = sorted(s.engine_id for s in r.states)
+        assert ids == sorted(f"{u}#dp{d}" for u in c.engine_urls for d in (0, 1))
+        per_rank = c.stats(0)["ranks"][0]["max_total_num_tokens"]
+        assert r.snapshot.capacity_tokens == 4 * per_rank  # 2 engines x 2 DP ranks, TP folded by max
+        c.set_worker_healthy(1, False)
+        r2 = wait_until(lambda: (lambda t: t if t.snapshot and t.snapshot.n_healthy == 2 else None)(p.tick()),
+                        timeout=15, interval=0.2)
+        assert r2.snapshot.epoch > r.snapshot.epoch
+        assert {s.engine_id for s in r2.states if not s.healthy} == {f"{c.engine_urls[1]}#dp0",
+                                                                   f"{c.engine_urls[1]}#dp1"}
