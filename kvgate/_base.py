@@ -1,6 +1,7 @@
 """What the sync and async gates share: naming, parameters, decoding, local counters."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -65,7 +66,7 @@ class GateBase:
             with self._local_lock:
                 idx = self._turns[req.session_id]
                 self._turns[req.session_id] += 1
-            req = TurnRequest(**{**req.__dict__, "turn_index": idx})
+            req = dataclasses.replace(req, turn_index=idx)
         return req
 
     def _forget_session(self, session_id: str) -> None:

@@ -60,7 +60,6 @@ class _AsyncListener:
         self._gate = gate
         self._events: dict[str, asyncio.Event] = {}
         self._task: asyncio.Task | None = None
-        self._subscribed = asyncio.Event() if False else None
 
     def register(self, ticket: str) -> asyncio.Event:
         ev = asyncio.Event()

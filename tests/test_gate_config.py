@@ -1,0 +1,75 @@
+"""GateConfig: defaults from the seeds, validation of every knob (only when its feature is
+on), KVGATE_* environment overrides with clear errors."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvgate import GateConfig
+
+
+def test_defaults_from_the_seeds():
+    c = GateConfig()
+    assert (c.admission, c.residency, c.session_lifecycle) == (True, True, False)
+    assert (c.headroom, c.pressure_threshold, c.high_watermark, c.hit_threshold) == (0.90, 0.92, 0.85, 0.80)
+    assert c.expected_decode_cap is None
+    assert (c.max_wait_s, c.wait_poll_s, c.idle_grace_s, c.lease_ttl_s, c.staleness_s) == (30.0, 5.0, 60.0, 600.0, 6.0)
+    assert c.scope == "train"
+
+
+BAD = [
+    ("headroom", 0.0), ("headroom", 1.01), ("headroom", -1), ("headroom", "0.5"), ("headroom", math.nan),
+    ("pressure_threshold", 0.0), ("pressure_threshold", 1.5),
+    ("high_watermark", 0.0), ("high_watermark", 1.2), ("high_watermark", 0.95),  # > pressure_threshold
+    ("hit_threshold", -0.1), ("hit_threshold", 1.1),
+    ("expected_decode_cap", 0), ("expected_decode_cap", -5), ("expected_decode_cap", 1.5), ("expected_decode_cap", True),
+    ("max_wait_s", -1), ("max_wait_s", math.inf), ("wait_poll_s", 0), ("idle_grace_s", -0.1),
+    ("lease_ttl_s", 0), ("staleness_s", 0), ("scope", "eval"), ("scope", ""),
+    ("admission", 1), ("residency", "yes"), ("session_lifecycle", None),
+    ("redis_timeout_s", 0), ("probe_timeout_s", -1), ("close_timeout_s", 0), ("reap_batch", 0),
+    ("engine_urls", ["http://a"]), ("engine_urls", ("",)),
+]
+
+
+@pytest.mark.parametrize("knob, value", BAD)
+def test_every_knob_rejects_bad_values(knob, value):
+    with pytest.raises(ValueError, match=knob):
+        GateConfig(**{knob: value})
+
+
+@pytest.mark.parametrize("knob, value, feature", [
+    ("headroom", 0.0, "admission"), ("pressure_threshold", 2.0, "admission"),
+    ("expected_decode_cap", 0, "admission"),
+    ("high_watermark", 0.0, "residency"), ("hit_threshold", 5.0, "residency"),
+])
+def test_feature_knobs_validated_only_when_feature_on(knob, value, feature):
+    GateConfig(**{knob: value, feature: False})  # accepted: the feature is off
+    with pytest.raises(ValueError):
+        GateConfig(**{knob: value})
+
+
+def test_watermark_above_pressure_allowed_without_admission():
+    GateConfig(admission=False, high_watermark=0.95)
+
+
+def test_boundaries_accepted():
+    GateConfig(headroom=1.0, pressure_threshold=1.0, high_watermark=1.0, hit_threshold=0.0,
+               max_wait_s=0.0, idle_grace_s=0.0)
+
+
+def test_env_overrides():
+    env = {"KVGATE_MAX_WAIT_S": "10", "KVGATE_RESIDENCY": "off", "KVGATE_EXPECTED_DECODE_CAP": "512",
+           "KVGATE_SCOPE": "all", "KVGATE_ENGINE_URLS": "http://a:1, http://b:2", "OTHER": "x"}
+    c = GateConfig.from_env(env)
+    assert (c.max_wait_s, c.residency, c.expected_decode_cap, c.scope) == (10.0, False, 512, "all")
+    assert c.engine_urls == ("http://a:1", "http://b:2")
+    assert GateConfig.from_env(env, max_wait_s=3.0).max_wait_s == 3.0  # explicit beats env
+    assert GateConfig.from_env({"KVGATE_EXPECTED_DECODE_CAP": "none"}).expected_decode_cap is None
+
+
+@pytest.mark.parametrize("var, raw", [("KVGATE_MAX_WAIT_S", "soon"), ("KVGATE_ADMISSION", "maybe"),
+                                      ("KVGATE_REAP_BATCH", "1.5"), ("KVGATE_HEADROOM", "2")])
+def test_env_errors_name_the_variable(var, raw):
+    with pytest.raises(ValueError, match=var.replace("KVGATE_", "").lower() if raw == "2" else var):
+        GateConfig.from_env({var: raw})
