@@ -124,9 +124,14 @@ def engine_states(scrapes: Sequence[ScrapeResult], *, hit_rates: dict[str, float
                 continue
             seen.add(eid)
             ids.append(eid)
-            out.append(EngineState(engine_id=eid, capacity_tokens=int(r.capacity_tokens),
-                                   used_tokens=r.used_tokens, usage=r.usage, healthy=True,
-                                   hit_rate=hit_rates.get(eid, r.hit_rate), url=url, kind=r.kind))
+            try:
+                st = EngineState(engine_id=eid, capacity_tokens=int(r.capacity_tokens),
+                                 used_tokens=r.used_tokens, usage=r.usage, healthy=True,
+                                 hit_rate=hit_rates.get(eid, r.hit_rate), url=url, kind=r.kind)
+            except ValueError as e:  # values the core rejects: this engine only is unhealthy
+                log.info("engine %s: unusable metrics: %s", eid, e)
+                st = EngineState(engine_id=eid, capacity_tokens=0, healthy=False, url=url, kind=r.kind)
+            out.append(st)
         known_ids[url] = ids
     return out
 
@@ -338,19 +343,17 @@ class Poller:
             res.snapshot = self.gate.write_snapshot(res.states)
             res.wrote = True
             self.writes += 1
-        except (RedisError, OSError) as e:
-            res.reason = f"write_failed: {e}"
-            log.warning("write_snapshot failed: %s", e)
+        except Exception as e:  # noqa: BLE001 - Redis down, script errors: never kill the loop
+            res.reason = f"write_failed: {type(e).__name__}: {e}"
+            log.warning("write_snapshot failed: %s: %s", type(e).__name__, e)
         self._housekeep(res)
         return res
 
     def _housekeep(self, res: TickResult) -> None:
         try:
             res.housekeep = self.gate.housekeep(limit=self.housekeep_limit)
-        except (RedisError, OSError) as e:
-            log.warning("housekeep failed: %s", e)
-        except TypeError:  # a gate whose housekeep takes no limit
-            res.housekeep = self.gate.housekeep()
+        except Exception as e:  # noqa: BLE001 - Redis down, script errors: next tick retries
+            log.warning("housekeep failed: %s: %s", type(e).__name__, e)
 
     def tick(self) -> TickResult:
         """One synchronous tick (own event loop)."""

@@ -176,7 +176,10 @@ class _Group:
 
 
 def _int_or_none(v: float | None) -> int | None:
-    return None if v is None else int(round(v))
+    """Token / request counts: rounded, and a negative count is a broken exporter -> missing."""
+    if v is None or v < 0:
+        return None
+    return int(round(v))
 
 
 def _vllm_capacity(labels: Mapping[str, str]) -> int | None:

@@ -266,3 +266,32 @@ def test_against_simulated_sglang_cluster_with_dp_and_router_health(redis_url):
         assert r2.snapshot.epoch > r.snapshot.epoch
         assert {s.engine_id for s in r2.states if not s.healthy} == {f"{c.engine_urls[1]}#dp0",
                                                                    f"{c.engine_urls[1]}#dp1"}
+
+
+def test_poller_survives_redis_restart(fresh_redis, servers):
+    from conftest import start_redis
+
+    e = servers(sglang_metrics(10_000, 100))
+    gate = kvgate.Gate.from_url(fresh_redis.url, gate="rr", config=kvgate.GateConfig(redis_timeout_s=0.5))
+    p = Poller(gate, engines=[e.url], leader_ttl_s=2.0)
+    assert p.tick().wrote
+    port = fresh_redis.port
+    fresh_redis.stop()
+    r = p.tick()  # Redis gone: no lease, no write, no exception
+    assert not r.leader and not r.wrote
+    back = start_redis(port)
+    try:
+        wait_until(lambda: p.tick().wrote, timeout=20, interval=0.2)  # scripts reload after the restart
+        assert not gate.status()["degraded"]
+    finally:
+        back.stop()
+
+
+def test_negative_counts_read_as_missing(redis_url, servers):
+    good = servers(sglang_metrics(10_000, 100))
+    odd = servers("sglang:max_total_num_tokens 1000\nsglang:num_used_tokens -5\nsglang:cache_hit_rate 0.5\n")
+    gate = make_gate(redis_url)
+    r = Poller(gate, engines=[good.url, odd.url]).tick()
+    assert r.wrote
+    st = {s.engine_id: s for s in r.states}
+    assert st[odd.url].healthy and st[odd.url].used_tokens is None  # negative count -> missing
