@@ -182,6 +182,9 @@ class Poller:
         if leader_ttl_s <= interval_s:
             raise ValueError(f"leader_ttl_s ({leader_ttl_s}) must exceed interval_s ({interval_s}), "
                              "or the lease lapses between ticks")
+        if leader_ttl_s <= 2 * http_timeout_s:
+            log.warning("leader_ttl_s (%s) <= 2 x http_timeout_s (%s): a slow router or engine can make "
+                        "the lease lapse mid-tick and leadership flap", leader_ttl_s, http_timeout_s)
         for nm, v in (("concurrency", concurrency), ("housekeep_limit", housekeep_limit),
                       ("max_body_bytes", max_body_bytes)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -320,6 +323,10 @@ class Poller:
             res.reason = "router_unreachable"
             log.warning("%s", e)
             self._housekeep(res)
+            return res
+        if not self._hold_lease():  # discovery may have taken two request deadlines
+            res.leader = False
+            res.reason = "lost_lease"
             return res
         sem = asyncio.Semaphore(self.concurrency)
         scrapes = list(await asyncio.gather(*(self._scrape(client, sem, ep) for ep in endpoints)))
