@@ -103,4 +103,5 @@ def render_status(status: Mapping, *, leader: str | None = None, title: str | No
             v = totals[k]
             tt.add_row(str(k), f"{v:g}" if isinstance(v, (int, float)) else str(v))
         parts.append(tt)
-    return Panel(Group(*parts), title=title or f"kvgate {s.get('gate', '')}", border_style="red" if degraded else "blue")
+    return Panel(Group(*parts), title=title or f"kvgate {s.get('gate', '')}", expand=False,
+                 border_style="red" if degraded else "blue")
