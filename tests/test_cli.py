@@ -202,3 +202,26 @@ def test_sigterm_releases_lease_and_metrics_endpoint(redis_url, engine):
         assert r.get(leader_key("mp")) is None  # released, not left to expire
     finally:
         _stop(p)
+
+
+@pytest.mark.redis_real
+@pytest.mark.slow
+def test_paused_leader_loses_the_lease_and_does_not_take_it_back(redis_url, engine):
+    import redis as redis_lib
+
+    r = redis_lib.Redis.from_url(redis_url)
+    procs = [_start_poller(redis_url, "stall", "--engine", engine.url) for _ in range(2)]
+    try:
+        leader = wait_until(lambda: _leader_pid(r, "stall"), timeout=20)
+        standby = next(p.pid for p in procs if p.pid != leader)
+        os.kill(leader, signal.SIGSTOP)  # a stalled leader (GC pause, swapped out, ...)
+        try:
+            wait_until(lambda: _leader_pid(r, "stall") == standby, timeout=15)
+        finally:
+            os.kill(leader, signal.SIGCONT)
+        time.sleep(1.0)  # a few of the old leader's ticks: its extend fails, its acquire loses
+        assert _leader_pid(r, "stall") == standby
+        assert all(p.poll() is None for p in procs)
+    finally:
+        for p in procs:
+            _stop(p)
