@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Sequence
 from .engines import EngineClient, make_client
 from .report import checks, render_table, summarize, write_json, write_plots
 from .runner import EngineEnv, Policy, parse_policies, run_policy
-from .workload import ToolLatency, Workload, WorkloadSpec, generate, load_trace, parse_range
+from .workload import VOCAB_DEFAULT, ToolLatency, Workload, WorkloadSpec, generate, load_trace, parse_range
 
 __all__ = ["add_arguments", "run", "main", "SCENARIOS", "build_parser"]
 
@@ -43,6 +43,10 @@ class Scenario:
     tool: ToolLatency = ToolLatency()
 
 
+# The CPU vLLM measurements of ENGINES.md: one lognormal, median 0.2 s, p90 1.5 s.
+_CPU_TOOL = ToolLatency(fast_median_s=0.2, slow_median_s=1.5, slow_frac=0.0,
+                        sigma=math.log(1.5 / 0.2) / 1.2816, max_s=10.0)
+
 SCENARIOS: dict[str, Scenario] = {
     # Working set several times the pool: the regime kvgate exists for.
     "default": Scenario(
@@ -57,14 +61,12 @@ SCENARIOS: dict[str, Scenario] = {
     # The shapes of the real CPU vLLM measurements (ENGINES.md), on the fitted profiles.
     "cpu-tiny": Scenario(
         description="12 sessions x 12 turns on an 80-block (2,560-token) cache, tiny CPU model profile",
-        profile="cpu-vllm-tiny", sessions=12, turns="12", first_prompt="300-400", tool_result="40-80",
-        output="20-40", time_scale=1.0,
-        tool=ToolLatency(fast_median_s=0.2, slow_median_s=1.5, slow_frac=0.1, sigma=0.6, max_s=10.0)),
+        profile="cpu-vllm-tiny", sessions=12, turns="12", first_prompt="250-350", tool_result="30-60",
+        output="20-30", time_scale=1.0, tool=_CPU_TOOL),
     "cpu-heavy": Scenario(
         description="12 sessions x 12 turns on an 80-block (2,560-token) cache, heavier CPU model profile",
-        profile="cpu-vllm-heavy", sessions=12, turns="12", first_prompt="300-400", tool_result="40-80",
-        output="20-40", time_scale=1.0,
-        tool=ToolLatency(fast_median_s=0.2, slow_median_s=1.5, slow_frac=0.1, sigma=0.6, max_s=10.0)),
+        profile="cpu-vllm-heavy", sessions=12, turns="12", first_prompt="250-350", tool_result="30-60",
+        output="20-30", time_scale=1.0, tool=_CPU_TOOL),
 }
 
 
@@ -94,6 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sc.add_argument("--tool-sigma", type=float, help="log-space spread of tool latency")
     sc.add_argument("--tool-max", type=float, help="tool timeout: latency cap, s")
     sc.add_argument("--arrival-spread", type=float, help="sessions arrive uniformly over this many s")
+    sc.add_argument("--vocab", type=int, help="token ids are drawn below this (default 32000; "
+                                              "use the model's vocabulary size for real engines)")
     sc.add_argument("--trace", help="replay a JSONL trace instead of generating sessions")
     sc.add_argument("--time-scale", type=float,
                     help="multiply every duration (tool latency, engine cost, gate time knobs) by this")
@@ -124,8 +128,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
     out.add_argument("--no-plots", action="store_true")
     out.add_argument("--no-progress", action="store_true")
-    out.add_argument("--snapshot-interval", type=float, default=0.1,
-                     help="seconds between capacity snapshots (default: %(default)s)")
+    out.add_argument("--snapshot-interval", type=float, default=None,
+                     help="seconds between poller ticks (default: 1 s x --time-scale, at least 0.05 s)")
 
     add_knobs, _ = _knob_hooks()
     if add_knobs is not None:
@@ -185,7 +189,7 @@ def base_gate_config(args: argparse.Namespace) -> Any:
 
 def build_workload(args: argparse.Namespace, sc: Scenario) -> Workload:
     if args.trace:
-        return load_trace(args.trace, seed=args.seed)
+        return load_trace(args.trace, seed=args.seed, vocab=args.vocab or VOCAB_DEFAULT)
     tool = ToolLatency(
         fast_median_s=args.tool_fast_median if args.tool_fast_median is not None else sc.tool.fast_median_s,
         slow_median_s=args.tool_slow_median if args.tool_slow_median is not None else sc.tool.slow_median_s,
@@ -199,26 +203,35 @@ def build_workload(args: argparse.Namespace, sc: Scenario) -> Workload:
         tool_result=parse_range(args.tool_result or sc.tool_result, name="--tool-result"),
         output=parse_range(args.output or sc.output, name="--output", minimum=1),
         tool=tool,
-        arrival_spread_s=args.arrival_spread if args.arrival_spread is not None else sc.arrival_spread_s)
+        arrival_spread_s=args.arrival_spread if args.arrival_spread is not None else sc.arrival_spread_s,
+        vocab=args.vocab or VOCAB_DEFAULT)
     return generate(spec, seed=args.seed)
 
 
 class SimEnv(EngineEnv):
-    """A fresh simulated SGLang cluster (engines + router on loopback) per policy."""
+    """A fresh simulated SGLang cluster per policy (``kvgate.sim.SimCluster``).
 
-    def __init__(self, profile: str, engines: int, time_scale: float, kv_capacity: int | None) -> None:
+    The simulator runs in a child process (the bench, its poller and Redis share the
+    other core).  Turns go straight to the engines; with several engines the bench places
+    each session on one engine by a hash of its id (sticky, what a cache-aware router
+    converges to), so the simulator's router is not started.
+    """
+
+    def __init__(self, profile: str, engines: int, time_scale: float, kv_capacity: int | None,
+                 in_process: bool = False) -> None:
         from kvgate.sim import load_profile
 
         overrides = {"kv_capacity_tokens": kv_capacity} if kv_capacity else {}
         self.profile = load_profile(profile, **overrides)
         self.engines = engines
         self.time_scale = time_scale
+        self.in_process = in_process
 
     def describe(self) -> dict:
-        return {"engine": "sglang-simulator", "profile": self.profile.name, "engines": self.engines,
-                "kv_capacity_tokens": self.profile.kv_capacity_tokens,
-                "pool_tokens": self.profile.kv_capacity_tokens * self.engines,
-                "time_scale": self.time_scale, "profile_source": self.profile.source}
+        return {"engine": "sglang-simulator (kvgate.sim)", "profile": self.profile.name,
+                "engines": self.engines, "kv_capacity_tokens": self.profile.kv_capacity_tokens,
+                "pool_tokens": self.pool_tokens, "time_scale": self.time_scale,
+                "profile_source": self.profile.source}
 
     @property
     def pool_tokens(self) -> int:
@@ -228,14 +241,17 @@ class SimEnv(EngineEnv):
     async def fresh(self) -> AsyncIterator[EngineClient]:
         from kvgate.sim import SimCluster
 
-        cluster = SimCluster(profile=self.profile, engines=self.engines, time_scale=self.time_scale)
-        await _maybe_async(cluster.start())
-        client = make_client("sglang", [cluster.router_url], cluster.engine_urls)
+        cluster = SimCluster(self.engines, self.profile, time_scale=self.time_scale, router=False,
+                             process=not self.in_process, health_check_interval_s=None)
+        await asyncio.to_thread(cluster.start)
+        client = None
         try:
+            client = make_client("sglang", cluster.engine_urls, cluster.engine_urls)
             yield client
         finally:
-            await client.aclose()
-            await _maybe_async(cluster.stop())
+            if client is not None:
+                await client.aclose()
+            await asyncio.to_thread(cluster.stop)
 
 
 class RealEnv(EngineEnv):
@@ -342,7 +358,7 @@ async def _run_all(args: argparse.Namespace, sc: Scenario, workload: Workload, e
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    console = Console(stderr=False)
+    console = Console(stderr=False, width=None if sys.stdout.isatty() else 200)
     if getattr(args, "list_scenarios", False):
         for name, sc in SCENARIOS.items():
             console.print(f"[bold]{name}[/]: {sc.description} (profile {sc.profile}, {sc.sessions} sessions, "
@@ -353,7 +369,9 @@ def run(args: argparse.Namespace) -> int:
         time_scale = args.time_scale if args.time_scale is not None else (1.0 if args.engine else sc.time_scale)
         if not (math.isfinite(time_scale) and time_scale > 0):
             raise ValueError(f"--time-scale must be > 0, got {time_scale}")
-        if args.snapshot_interval <= 0:
+        if args.snapshot_interval is None:
+            args.snapshot_interval = max(0.05, 1.0 * time_scale)
+        if not (args.snapshot_interval > 0):
             raise ValueError("--snapshot-interval must be > 0")
         workload = build_workload(args, sc)
         if args.engine:

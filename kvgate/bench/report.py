@@ -76,6 +76,7 @@ def summarize(results: Sequence[PolicyResult], workload: Workload) -> dict:
             "engine_preemptions": r.counters.preemptions if r.counters.ok else None,
             "hit_rate_over_time": _hit_series(r.samples),
             "usage_over_time": [(round(t, 3), round(u, 4)) for t, u in r.usage_samples],
+            "gate_over_time": r.gate_samples,
             "step_metrics": r.step_metrics,
             "gate": r.gate_config,
         })

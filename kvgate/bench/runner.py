@@ -116,6 +116,7 @@ class PolicyResult:
     errors: int = 0
     error_examples: list[str] = field(default_factory=list)
     gate_config: dict = field(default_factory=dict)
+    gate_samples: list[dict] = field(default_factory=list)  # (t, reserved, ceiling, windows, waiting, usage)
 
 
 class EngineEnv:
@@ -186,16 +187,12 @@ class _SnapshotFeeder:
 
 
 def _make_probe(client: EngineClient, timeout_s: float) -> Any:
+    """The vLLM helper's HTTP probe against the engines' ``POST /kvgate/probe`` (None if absent)."""
     try:
         from kvgate.integrations.http_probe import HttpProbe
     except ImportError:
         return None
-    for kwargs in ({"urls": client.engine_urls, "timeout_s": timeout_s}, {"urls": client.engine_urls}):
-        with contextlib.suppress(TypeError):
-            return HttpProbe(**kwargs)
-    with contextlib.suppress(TypeError):
-        return HttpProbe(client.engine_urls)
-    return None
+    return HttpProbe(list(client.engine_urls), timeout_s=timeout_s)
 
 
 @contextlib.asynccontextmanager
@@ -243,26 +240,47 @@ async def _gate_for(policy: Policy, redis_url: str, base_cfg: Any, client: Engin
                     break
 
 
+class _PollerHandle:
+    def __init__(self, poller: Any, task: asyncio.Task, gate: Any) -> None:
+        self.poller, self.task, self.gate = poller, task, gate
+
+    async def aclose(self) -> None:
+        self.poller.stop()
+        try:
+            await asyncio.wait_for(self.task, 5.0)
+        except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+            self.task.cancel()
+        with contextlib.suppress(Exception):
+            self.gate.close()
+
+
 async def _start_poller(redis_url: str, gate_name: str, cfg: Any, client: EngineClient,
                         interval_s: float) -> Any:
-    """Start the real poller in this event loop if kvgate.poller offers an asyncio API."""
+    """Run the real ``kvgate.poller.Poller`` (static engine list) as a task in this loop.
+
+    Returns None when the poller is not importable, so the bench falls back to its own
+    ``/kvgate/usage`` feeder.  The first tick runs before any turn.
+    """
     try:
-        from kvgate import poller as poller_mod
+        import kvgate
+        from kvgate.poller import Poller
     except ImportError:
         return None
-    factory = getattr(poller_mod, "bench_poller", None)
-    if factory is None:
+    sync_gate = kvgate.Gate.from_url(redis_url, gate=gate_name, config=cfg)
+    poller = Poller(sync_gate, engines=list(client.engine_urls), interval_s=interval_s,
+                    leader_ttl_s=max(5.0, 10 * interval_s))
+    first = await poller.atick()
+    if not getattr(first, "wrote", False):
+        poller.release()
+        with contextlib.suppress(Exception):
+            sync_gate.close()
         return None
-    return await _maybe(factory(redis_url=redis_url, gate=gate_name, config=cfg,
-                                engines=client.engine_urls, kind=client.kind, interval_s=interval_s))
+    task = asyncio.create_task(poller.arun())
+    return _PollerHandle(poller, task, sync_gate)
 
 
 async def _stop_poller(p: Any) -> None:
-    for m in ("aclose", "stop", "close"):
-        fn = getattr(p, m, None)
-        if fn is not None:
-            await _maybe(fn())
-            return
+    await p.aclose()
 
 
 def _cfg_dict(cfg: Any) -> dict:
@@ -293,7 +311,9 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
     base = await client.counters()
     t0 = loop.time()
 
-    async def sampler() -> None:
+    gate_samples: list[dict] = []
+
+    async def sampler(gate) -> None:
         while True:
             await asyncio.sleep(sample_interval_s)
             c = await client.counters() - base
@@ -302,6 +322,13 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
                 us = [u["usage"] for u in await client.usage() if u["usage"] is not None]
                 if us:
                     usage_samples.append((loop.time() - t0, max(us)))
+            if gate is not None:
+                with contextlib.suppress(Exception):
+                    st = await _maybe(gate.status())
+                    gate_samples.append({"t": round(loop.time() - t0, 3), "reserved": st.get("reserved"),
+                                         "ceiling": st.get("ceiling"), "windows": st.get("windows"),
+                                         "leases": st.get("leases"), "waiting": st.get("waiting"),
+                                         "usage": st.get("usage")})
 
     sem = asyncio.Semaphore(policy.cap) if policy.kind in ("cap", "turncap") else None
 
@@ -321,7 +348,8 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
                 waited = 0.0
                 try:
                     if gate is not None:
-                        async with gate.turn(sid, prompt_ids=history, max_new_tokens=t.output_tokens) as lease:
+                        async with gate.turn(sid, prompt_ids=history, max_new_tokens=t.output_tokens,
+                                             turn_index=idx) as lease:
                             start = loop.time() - t0
                             res = await client.generate(sid, history, t.output_tokens)
                             outcome = str(getattr(lease, "outcome", "") or "")
@@ -371,7 +399,7 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
     async def drive(gate) -> float:
         nonlocal t0
         t0 = loop.time()
-        samp = asyncio.create_task(sampler())
+        samp = asyncio.create_task(sampler(gate))
         try:
             await asyncio.wait_for(asyncio.gather(*(session(s, gate) for s in workload.sessions)),
                                    timeout=step_timeout_s)
@@ -397,4 +425,4 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
     samples.append((loop.time() - t0, final.hits, final.queries))
     return PolicyResult(policy=policy, wall_s=wall, turns=records, counters=final, samples=samples,
                         usage_samples=usage_samples, step_metrics=step, errors=len(errors),
-                        error_examples=errors[:5], gate_config=gate_info)
+                        error_examples=errors[:5], gate_config=gate_info, gate_samples=gate_samples)
