@@ -124,6 +124,8 @@ def build_parser(*, with_bench: bool = False) -> argparse.ArgumentParser:
                     help="serve the gate's Prometheus metrics on this port")
     sp.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDR",
                     help="bind address of the metrics endpoint (0.0.0.0 in containers)")
+    sp.add_argument("--dry-run", action="store_true",
+                    help="discover and scrape once, print what would be written, touch nothing in Redis")
     sp.add_argument("--max-ticks", type=_positive_int, default=None, help=argparse.SUPPRESS)
     add_knob_arguments(sp)
 
@@ -193,6 +195,8 @@ def cmd_poller(parser, args, cfg) -> int:
                         housekeep_limit=args.housekeep_limit)
     except ValueError as e:
         parser.error(f"poller: {e}")
+    if args.dry_run:
+        return _dry_run(poller)
     if args.metrics_port:
         _serve_metrics(gate, poller, args.metrics_host, args.metrics_port)
 
@@ -207,6 +211,23 @@ def cmd_poller(parser, args, cfg) -> int:
         args.router or ",".join(args.engine), args.interval, args.leader_ttl)
     poller.run(max_ticks=args.max_ticks)
     return 0
+
+
+def _dry_run(poller) -> int:
+    import json
+
+    res = poller.observe()
+    out = {
+        "source": poller.discovery.last_source,
+        "discovery_error": res.discovery_error,
+        "would_write": bool(res.states) and any(s.healthy for s in res.states),
+        "reason": res.reason or None,
+        "engines": [dict(s.to_script(), engine_id=s.engine_id) for s in res.states],
+        "errors": res.errors,
+        "seconds": round(res.seconds, 3),
+    }
+    print(json.dumps(out, indent=2, sort_keys=True))
+    return 0 if out["would_write"] else 1
 
 
 def _serve_metrics(gate, poller, host: str, port: int) -> None:

@@ -314,20 +314,20 @@ class Poller:
         self.last = res
         return res
 
-    async def _lead_tick(self, client: httpx.AsyncClient) -> TickResult:
-        res = TickResult(leader=True)
+    async def _collect(self, client: httpx.AsyncClient, res: TickResult, *, fenced: bool) -> bool:
+        """Discover and scrape into ``res``; False when the tick must stop (router unusable,
+        or, when ``fenced``, the lease was lost after discovery)."""
         try:
             endpoints = await self.discovery.discover(client)
         except DiscoveryError as e:
             res.discovery_error = str(e)
             res.reason = "router_unreachable"
             log.warning("%s", e)
-            self._housekeep(res)
-            return res
-        if not self._hold_lease():  # discovery may have taken two request deadlines
+            return False
+        if fenced and not self._hold_lease():  # discovery may have taken two request deadlines
             res.leader = False
             res.reason = "lost_lease"
-            return res
+            return False
         sem = asyncio.Semaphore(self.concurrency)
         scrapes = list(await asyncio.gather(*(self._scrape(client, sem, ep) for ep in endpoints)))
         res.scrapes = scrapes
@@ -339,7 +339,29 @@ class Poller:
         res.states = engine_states(scrapes, hit_rates=self._hit_rates, known_ids=self._known_ids)
         if not any(st.healthy for st in res.states):
             res.reason = "no_healthy_engine" if endpoints else "no_engines"
-            self._housekeep(res)
+            return False
+        return True
+
+    async def aobserve(self, client: httpx.AsyncClient | None = None) -> TickResult:
+        """Discover and scrape once; no lease, no write, no housekeeping (``--dry-run``)."""
+        res = TickResult(leader=False)
+        t0 = time.monotonic()
+        if client is None:
+            async with httpx.AsyncClient(trust_env=False) as c:
+                await self._collect(c, res, fenced=False)
+        else:
+            await self._collect(client, res, fenced=False)
+        res.seconds = time.monotonic() - t0
+        return res
+
+    def observe(self) -> TickResult:
+        return asyncio.run(self.aobserve())
+
+    async def _lead_tick(self, client: httpx.AsyncClient) -> TickResult:
+        res = TickResult(leader=True)
+        if not await self._collect(client, res, fenced=True):
+            if res.leader:
+                self._housekeep(res)
             return res
         # Fence: scraping took time; write only if the lease is still ours.
         if not self._hold_lease():

@@ -225,3 +225,17 @@ def test_paused_leader_loses_the_lease_and_does_not_take_it_back(redis_url, engi
     finally:
         for p in procs:
             _stop(p)
+
+
+def test_poller_dry_run_prints_states_without_redis(engine, capsys):
+    dead = f"http://127.0.0.1:{free_port()}"
+    rc = main(["poller", "--redis", f"redis://127.0.0.1:{free_port()}/0", "--gate", "g", "--engine", engine.url,
+               "--engine", dead, "--http-timeout", "0.5", "--dry-run"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["would_write"] and out["source"] == "static"
+    eng = {e["engine_id"]: e for e in out["engines"]}
+    assert eng[engine.url]["cap"] == 50_000 and eng[engine.url]["healthy"] == 1
+    assert eng[dead]["healthy"] == 0 and dead in out["errors"]
+    rc = main(["poller", "--redis", "redis://127.0.0.1:1/0", "--gate", "g", "--engine", dead,
+               "--http-timeout", "0.5", "--dry-run"])
+    assert rc == 1 and json.loads(capsys.readouterr().out)["reason"] == "no_healthy_engine"
