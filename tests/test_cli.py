@@ -239,3 +239,10 @@ def test_poller_dry_run_prints_states_without_redis(engine, capsys):
     rc = main(["poller", "--redis", "redis://127.0.0.1:1/0", "--gate", "g", "--engine", dead,
                "--http-timeout", "0.5", "--dry-run"])
     assert rc == 1 and json.loads(capsys.readouterr().out)["reason"] == "no_healthy_engine"
+
+
+def test_top_with_redis_down_keeps_refreshing_and_says_why():
+    r = run_cli("top", "--redis", f"redis://127.0.0.1:{free_port()}/0", "--gate", "g", "--iterations", "2",
+                "--refresh", "0.1", "--redis-timeout-s", "0.2")
+    assert r.returncode == 0, r.stderr
+    assert "cannot read gate 'g'" in r.stdout
