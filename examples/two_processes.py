@@ -35,23 +35,19 @@ import multiprocessing as mp
 import os
 import queue
 import random
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
 import zlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 
 import kvgate
+from _support import private_redis, say  # examples/_support.py (a private redis-server, atomic lines)
 
 # Example defaults (environment KVGATE_* still wins): short waits so the demo stays short.
 EXAMPLE_KNOBS = dict(max_wait_s=5.0, wait_poll_s=0.5, idle_grace_s=10.0, staleness_s=6.0)
@@ -106,50 +102,6 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--kind vllm needs --router or --engine (the private simulator speaks SGLang)")
 
 
-# -- Redis --------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def private_redis(wait_s: float = 10.0) -> Iterator[str]:
-    """A redis-server on a free loopback port, without persistence; stopped by pid."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server not found: install it or pass --redis URL")
-    port = _free_port()
-    workdir = tempfile.mkdtemp(prefix="kvgate-example-redis-")
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", workdir],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        import redis
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                if redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5).ping():
-                    break
-            except redis.RedisError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"redis-server did not start on port {port}")
-            time.sleep(0.05)
-        print(f"started private redis-server pid={proc.pid} at {url}", flush=True)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
 # -- engines --------------------------------------------------------------------------------------
 class EngineCaller:
     """One engine call per turn; returns (output token ids, cached prompt tokens or None)."""
@@ -197,12 +149,6 @@ class EngineCaller:
 
     def close(self) -> None:
         self.http.close()
-
-
-def say(line: str) -> None:
-    """One write per line, so lines of threads and processes sharing stdout do not interleave."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 # -- one worker process ------------------------------------------------------------------------------
