@@ -11,6 +11,7 @@ docs/simulator.md for what is modelled and what is not.
         sim.router_url, sim.engine_urls, sim.engines[0], sim.stop_engine(1)
 """
 from .cache import PrefixCache, block_hashes
+from .client import HttpPool
 from .cluster import SimCluster
 from .engine import SimEngine
 from .http import build_engine_app
@@ -19,7 +20,7 @@ from .router import SimRouter
 from .scheduler import RankScheduler, Req, output_tokens
 
 __all__ = [
-    "DEFAULT_PROFILE", "PrefixCache", "Profile", "RankScheduler", "Req", "SimCluster",
+    "DEFAULT_PROFILE", "HttpPool", "PrefixCache", "Profile", "RankScheduler", "Req", "SimCluster",
     "SimEngine", "SimRouter", "available_profiles", "block_hashes", "build_engine_app",
     "load_profile", "output_tokens",
 ]

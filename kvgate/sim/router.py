@@ -28,13 +28,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from .client import HttpPool as _Pool
 from .http import _loads, error, json_response
 
 
 class Worker:
-    __slots__ = ("url", "model_id", "admin_healthy", "probe_healthy", "load", "requests")
+    __slots__ = ("url", "model_id", "admin_healthy", "probe_healthy", "load", "requests", "pool")
 
-    def __init__(self, url: str, model_id: str) -> None:
+    def __init__(self, url: str, model_id: str, timeout_s: float = 600.0) -> None:
+        self.pool = _Pool(url, timeout_s)
         self.url = url.rstrip("/")
         self.model_id = model_id
         self.admin_healthy = True
@@ -60,7 +62,7 @@ class SimRouter:
             raise ValueError("the router needs at least one worker URL")
         self.workers: Dict[str, Worker] = {}
         for u in worker_urls:
-            w = Worker(u, model_id)
+            w = Worker(u, model_id, request_timeout_s)
             self.workers[w.url] = w
         self.workers_endpoint = workers_endpoint
         self.health_check_interval_s = health_check_interval_s
@@ -87,6 +89,8 @@ class SimRouter:
         if self._client:
             await self._client.aclose()
             self._client = None
+        for w in self.workers.values():
+            w.pool.close()
 
     async def _health_loop(self) -> None:
         while True:
@@ -178,15 +182,13 @@ class SimRouter:
                 w.load += 1
                 w.requests += 1
                 try:
-                    r = await self._client.post(w.url + "/generate", content=body,
-                                                headers={"content-type": "application/json"})
-                except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+                    status, ctype, content = await w.pool.post("/generate", body)
+                except ConnectionError:
                     w.probe_healthy = False
                     continue
                 finally:
                     w.load -= 1
-                return Response(r.content, status_code=r.status_code,
-                                media_type=r.headers.get("content-type", "application/json"))
+                return Response(content, status_code=status, media_type=ctype)
             return json_response({"error": {"message": "no healthy worker available",
                                             "code": 503}}, 503)
 
