@@ -114,8 +114,9 @@ class Agent:
             except asyncio.TimeoutError:
                 lease = held.get("lease")
                 what = "waiting in the gate" if lease is None else f"generating ({lease.outcome}/{lease.reason})"
+                then = "retrying" if attempt < self.args.max_attempts else "giving up on the session"
                 say(f"{self.sid} turn {t} attempt {attempt}: CANCELLED after {self.args.turn_deadline_s:.1f}s "
-                    f"{what}; retrying")
+                    f"{what}; {then}")
                 self.stats["outcomes"]["cancelled"] += 1
                 continue
             except kvgate.Preempted:

@@ -50,7 +50,7 @@ import kvgate
 from _support import private_redis, say  # examples/_support.py (a private redis-server, atomic lines)
 
 # Example defaults (environment KVGATE_* still wins): short waits so the demo stays short.
-EXAMPLE_KNOBS = dict(max_wait_s=5.0, wait_poll_s=0.5, idle_grace_s=10.0, staleness_s=6.0)
+EXAMPLE_KNOBS = dict(max_wait_s=5.0, wait_poll_s=0.5, idle_grace_s=10.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
