@@ -126,6 +126,16 @@ def test_compose_profiles_and_topology(compose):
     assert svcs["prometheus"]["profiles"] == ["monitoring"]
 
 
+def test_compose_ports_are_loopback_and_healthchecks_compile(compose):
+    for name, svc in services(compose).items():
+        for port in svc.get("ports") or []:
+            assert interpolate(port).startswith("127.0.0.1:"), f"{name}: {port} is published beyond loopback"
+        test = (svc.get("healthcheck") or {}).get("test")
+        if test and test[0] == "CMD" and test[1] in ("python", "python3"):
+            assert test[2] == "-c"
+            compile(test[3], f"{name} healthcheck", "exec")
+
+
 def test_compose_env_knobs_are_gateconfig_knobs(compose):
     import dataclasses
 
