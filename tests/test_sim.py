@@ -366,3 +366,65 @@ def test_process_mode_and_lean_client():
         sim.stop_engine(1)
         with pytest.raises(httpx.ConnectError):
             httpx.get(sim.engine_urls[1] + "/health", trust_env=False)
+
+
+def _check_accounting(s: RankScheduler) -> None:
+    """Every reference and private block is owned by a running request or a session."""
+    from collections import Counter
+    refs: Counter = Counter()
+    private = 0
+    for r in s.running.values():
+        refs.update(r.hashes)
+        private += r.held - len(r.hashes)
+    for pins in s.sessions.values():
+        refs.update(pins)
+    assert private == s.cache.private_blocks
+    for h, n in refs.items():
+        assert s.cache.refcount(h) == n
+    assert sum(1 for h in s.cache._ref if s.cache.refcount(h) > 0) == len(refs)
+    assert s.remaining_decode_tokens() == sum(r.max_new - s.gen_of(r) for r in s.running.values())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workload_keeps_the_pool_consistent(seed):
+    rnd = random.Random(seed)
+    prof = load_profile(**dict(SMALL, kv_capacity_tokens=1600),
+                        init_new_token_ratio=rnd.choice([0.05, 0.3, 0.7]))
+    s = RankScheduler(prof, session_radix_cache=bool(seed % 2))
+    hist = {k: rand_ids(1000 * seed + k, rnd.randrange(20, 200)) for k in range(6)}
+    finished = []
+    n = 0
+    for step in range(3000):
+        op = rnd.random()
+        if op < 0.08 and len(s.by_rid) < 12:
+            k = rnd.randrange(6)
+            n += 1
+            r = Req(f"q{n}", list(hist[k]), rnd.randrange(0, 120), session_id=f"s{k}",
+                    on_done=finished.append)
+            s.submit(r)
+        elif op < 0.085 and s.by_rid:
+            s.abort(rnd.choice(list(s.by_rid)))
+        elif op < 0.10:
+            s.close_session(f"s{rnd.randrange(6)}")
+        it = s.begin_iteration()
+        if it is not None:
+            if rnd.random() < 0.01 and s.by_rid:       # abort while an iteration is in flight
+                s.abort(rnd.choice(list(s.by_rid)))
+            s.end_iteration(it)
+        s.cache.check()
+        _check_accounting(s)
+        for r in finished:
+            if r.finish_reason["type"] == "length" and r.session_id:
+                k = int(r.session_id[1:])
+                if len(hist[k]) < 900:
+                    hist[k] = r.input_ids + r.output_ids + rand_ids(step, 10)
+        finished.clear()
+    for _ in range(2):   # queued turns may wait for pinned sessions: close, drain, close
+        for k in range(6):
+            s.close_session(f"s{k}")
+        _drain(s)
+    assert s.num_queued == 0 and s.num_running == 0
+    assert s.cache.used_blocks == 0 and s.cache.private_blocks == 0
+    assert s.num_requests + s.num_aborted == n
+    print(f"seed {seed}: {s.num_requests} done, {s.num_aborted} aborted, "
+          f"{s.retractions} retractions, {s.cache.evicted_blocks} evicted blocks")
