@@ -53,7 +53,7 @@ class PrefixCache:
     """KV pool + prefix cache of one scheduler (one DP rank)."""
 
     __slots__ = ("block_size", "num_blocks", "_ref", "_lru", "private_blocks",
-                 "evicted_blocks")
+                 "evicted_blocks", "version")
 
     def __init__(self, capacity_tokens: int, block_size: int) -> None:
         if block_size < 1:
@@ -67,6 +67,9 @@ class PrefixCache:
         self._lru: OrderedDict = OrderedDict()  # evictable hashes, least recent first
         self.private_blocks = 0
         self.evicted_blocks = 0
+        # bumped by every change to the cached set or the LRU membership, so callers
+        # can reuse a match() / evictable_among() result while it is unchanged
+        self.version = 0
 
     # ---- read-only views -------------------------------------------------
     @property
@@ -118,6 +121,7 @@ class PrefixCache:
     # ---- references --------------------------------------------------------
     def acquire(self, hashes: Iterable[int]) -> None:
         """Take one reference on each (already cached) block."""
+        self.version += 1
         ref, lru = self._ref, self._lru
         for h in hashes:
             c = ref[h]
@@ -130,6 +134,7 @@ class PrefixCache:
 
         Released in reverse so the tail of a prefix is evicted before its head.
         """
+        self.version += 1
         ref, lru = self._ref, self._lru
         for h in reversed(hashes):
             c = ref.get(h)
@@ -142,6 +147,7 @@ class PrefixCache:
 
     # ---- allocation ----------------------------------------------------------
     def _evict(self, n: int) -> None:
+        self.version += 1
         lru, ref = self._lru, self._ref
         for _ in range(n):
             h, _ = lru.popitem(last=False)
@@ -175,6 +181,7 @@ class PrefixCache:
         A hash already cached (another request computed the same block meanwhile)
         is shared instead and the duplicate private block is freed.
         """
+        self.version += 1
         ref, lru = self._ref, self._lru
         for h in hashes:
             c = ref.get(h)

@@ -283,6 +283,10 @@ class SimCluster:
         r.raise_for_status()
 
     async def _astop_all(self) -> None:
+        # fail pending engine requests first (503s), so the router drains at once
+        for eng in self.engines:
+            if eng is not None and not eng.stopped:
+                await eng.stop()
         if self._router_server is not None:
             await self._router_server.stop(self.stop_timeout_s / 3)
             self._router_server = None

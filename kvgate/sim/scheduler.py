@@ -64,7 +64,7 @@ class Req:
     __slots__ = ("rid", "input_ids", "prompt_len", "max_new", "session_id", "session_epoch",
                  "digest", "hashes", "fill_len", "hit", "held", "gen", "base", "epoch", "state",
                  "cached_tokens", "retractions", "admitted", "on_done", "output_ids",
-                 "finish_reason", "t_submit", "t_first", "t_done", "seq", "aborted")
+                 "finish_reason", "t_submit", "t_first", "t_done", "seq", "aborted", "_match")
 
     def __init__(self, rid: str, input_ids: List[int], max_new_tokens: int,
                  session_id: Optional[str] = None,
@@ -95,6 +95,7 @@ class Req:
         self.t_done = 0.0
         self.seq = 0
         self.aborted = False
+        self._match: Tuple[int, int, int] = (-1, 0, 0)   # (cache version, hit blocks, pinned)
 
 
 class Iteration:
@@ -296,12 +297,16 @@ class RankScheduler:
             r = self.waiting[0]
             if r.hashes is None:
                 r.hashes = block_hashes(self._fill_tokens(r), B)
-            k = cache.match(r.hashes)
+                r._match = (-1, 0, 0)
+            ver, k, pinned = r._match
+            if ver != cache.version:   # a blocked head is re-checked every step: reuse
+                k = cache.match(r.hashes)
+                pinned = cache.evictable_among(r.hashes[:k]) if k else 0
+                r._match = (cache.version, k, pinned)
             uncached = r.fill_len - k * B
             if batch and uncached > budget:
                 break
             need = -(-(r.fill_len + 1) // B) - k
-            pinned = cache.evictable_among(r.hashes[:k]) if k else 0
             avail = cache.available_blocks() - pinned
             if need > avail:
                 break
