@@ -20,6 +20,7 @@ except ImportError:  # pragma: no cover - only before kvgate.probe exists
 
 
 MAX_TOKEN_ID = 2**63 - 1
+_INT_ONLY = {int}
 PROBE_METHOD = "kvgate_probe"
 USAGE_METHOD = "kvgate_usage"
 
@@ -29,6 +30,11 @@ def check_prompt_ids(prompt_ids: Any, what: str = "prompt_ids") -> list[int]:
 
     Accepts any sequence of non-negative ints (bools are rejected: they are almost always a bug).
     """
+    if type(prompt_ids) is list or type(prompt_ids) is tuple:  # fast path: plain ints (JSON, msgpack)
+        if not prompt_ids:
+            return []
+        if set(map(type, prompt_ids)) == _INT_ONLY and min(prompt_ids) >= 0 and max(prompt_ids) <= MAX_TOKEN_ID:
+            return list(prompt_ids)  # (C loops only: this runs on EngineCore's thread too)
     if isinstance(prompt_ids, (str, bytes, bytearray)) or not isinstance(prompt_ids, Sequence):
         # numpy arrays and similar are not Sequences; accept anything with tolist()
         tolist = getattr(prompt_ids, "tolist", None)
