@@ -428,3 +428,12 @@ def test_random_workload_keeps_the_pool_consistent(seed):
     assert s.num_requests + s.num_aborted == n
     print(f"seed {seed}: {s.num_requests} done, {s.num_aborted} aborted, "
           f"{s.retractions} retractions, {s.cache.evicted_blocks} evicted blocks")
+
+
+def test_cli_rejects_an_unknown_profile_and_lists_the_available_ones():
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "kvgate.sim", "--profile", "nope", "--port", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert "unknown simulator profile 'nope'" in p.stderr and "gpu-h100-30b" in p.stderr
