@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pin open sessions' KV until /close_session (SGLang --enable-session-radix-cache)")
     ap.add_argument("--kv-capacity-tokens", type=int, default=None, help="override the profile's pool size")
     ap.add_argument("--block-size", type=int, default=None, help="override the profile's block size")
-    ap.add_argument("--host", default=LOOPBACK)
+    ap.add_argument("--host", default=LOOPBACK, help="address to bind (default loopback)")
+    ap.add_argument("--advertise-host", default=None,
+                    help="host name used in the printed URLs and the router's /workers "
+                         "(default: --host; set it when binding 0.0.0.0)")
     ap.add_argument("--port", type=int, default=30000, help="first engine port (0 = free ports)")
     ap.add_argument("--router-port", type=int, default=None)
     ap.add_argument("--no-router", action="store_true")
@@ -62,6 +65,7 @@ def main(argv=None) -> int:
                              router=not args.no_router, workers_endpoint=not args.no_workers_endpoint,
                              health_check_interval_s=args.health_check_interval or None,
                              host=args.host, base_port=args.port, router_port=args.router_port,
+                             advertise_host=args.advertise_host,
                              **overrides)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -99,7 +99,8 @@ class SimCluster:
                  session_radix_cache: bool = False, router: bool = True,
                  workers_endpoint: bool = True, health_check_interval_s: Optional[float] = 1.0,
                  host: str = LOOPBACK, base_port: int = 0, router_port: Optional[int] = None,
-                 process: bool = False, start_timeout_s: float = 20.0,
+                 advertise_host: Optional[str] = None, process: bool = False,
+                 start_timeout_s: float = 20.0,
                  stop_timeout_s: float = 10.0, **profile_overrides: Any) -> None:
         if isinstance(n_engines, bool) or not isinstance(n_engines, int) or n_engines < 1:
             raise ValueError(f"n_engines must be an integer >= 1, got {n_engines!r}")
@@ -112,6 +113,9 @@ class SimCluster:
         self.workers_endpoint = workers_endpoint
         self.health_check_interval_s = health_check_interval_s
         self.host = host
+        # the host name put in URLs (engine_urls, the router's /workers); binding 0.0.0.0
+        # or a container name needs another name here
+        self.advertise_host = advertise_host or host
         self.base_port = base_port
         self.router_port = router_port
         self.process = process
@@ -223,7 +227,7 @@ class SimCluster:
             srv = _Served(self.router.app(), _bind(self.host, port))
             await srv.start(self.start_timeout_s)
             self._router_server = srv
-            self.router_url = f"http://{self.host}:{srv.port}"
+            self.router_url = f"http://{self.advertise_host}:{srv.port}"
 
     async def _astart_engine(self, i: int, port: int) -> None:
         eng = SimEngine(self.profile, engine_id=f"sim-{i}", **self.engine_kwargs)
@@ -232,7 +236,7 @@ class SimCluster:
         app = build_engine_app(eng, on_stop=lambda: loop.create_task(self._astop_engine(i)))
         srv = _Served(app, _bind(self.host, port))
         await srv.start(self.start_timeout_s)
-        url = f"http://{self.host}:{srv.port}"
+        url = f"http://{self.advertise_host}:{srv.port}"
         eng.engine_id = url
         self.engines[i] = eng
         self._servers[i] = srv
@@ -324,7 +328,8 @@ class SimCluster:
                "--profile", prof, "--time-scale", str(self.engine_kwargs["time_scale"]),
                "--tp-size", str(self.engine_kwargs["tp_size"]),
                "--dp-size", str(self.engine_kwargs["dp_size"]),
-               "--host", self.host, "--port", str(self.base_port), "--ready-file", ready]
+               "--host", self.host, "--advertise-host", self.advertise_host,
+               "--port", str(self.base_port), "--ready-file", ready]
         if self.router_port is not None:
             cmd += ["--router-port", str(self.router_port)]
         if self.engine_kwargs["session_radix_cache"]:
