@@ -183,14 +183,20 @@ def _int_or_none(v: float | None) -> int | None:
 
 
 def _vllm_capacity(labels: Mapping[str, str]) -> int | None:
+    """``num_gpu_blocks x block_size``; newer builds also label ``kv_cache_size_tokens``,
+    used only when the block labels are unusable."""
     try:
         blocks = int(float(labels.get("num_gpu_blocks", "")))
         size = int(float(labels.get("block_size", "")))
+        if blocks > 0 and size > 0:
+            return blocks * size
     except (TypeError, ValueError):
-        return None  # "None" before the engine profiled memory
-    if blocks <= 0 or size <= 0:
+        pass  # "None" before the engine profiled memory
+    try:
+        tokens = int(float(labels.get("kv_cache_size_tokens", "")))
+    except (TypeError, ValueError):
         return None
-    return blocks * size
+    return tokens if tokens > 0 else None
 
 
 def parse_metrics(text: str) -> EngineMetrics:

