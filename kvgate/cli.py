@@ -339,6 +339,13 @@ def _command_of(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     with_bench = _command_of(argv) == "bench"
+    if with_bench:
+        try:
+            from kvgate.bench import cli as _bench_cli  # noqa: F401
+        except ImportError as e:
+            print(f"kvgate bench: the benchmark module kvgate.bench.cli is not available ({e}); "
+                  "install kvgate with its benchmark files", file=sys.stderr)
+            return 2
     parser = build_parser(with_bench=with_bench)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level),

@@ -246,3 +246,13 @@ def test_top_with_redis_down_keeps_refreshing_and_says_why():
                 "--refresh", "0.1", "--redis-timeout-s", "0.2")
     assert r.returncode == 0, r.stderr
     assert "cannot read gate 'g'" in r.stdout
+
+
+def test_bench_missing_module_is_a_clear_message(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "kvgate.bench.cli", None)  # import now raises ImportError
+    monkeypatch.delattr("kvgate.bench.cli", raising=False)
+    import kvgate.bench as bench_pkg
+
+    monkeypatch.delattr(bench_pkg, "cli", raising=False)
+    assert main(["bench", "--anything"]) == 2
+    assert "kvgate.bench.cli is not available" in capsys.readouterr().err
