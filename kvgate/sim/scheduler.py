@@ -19,15 +19,17 @@ What one iteration is, as in SGLang's event loop (``get_next_batch_to_run``):
   ``decode_step_base_s + decode_step_per_seq_s * batch + decode_s_per_kv_token *
   tokens_in_batch``.  Before the step, requests whose next token crosses a block
   boundary get one more block (evicting LRU cached blocks); if the pool has
-  nothing free or evictable, the newest running request is retracted to the head
-  of the queue, its KV freed and its progress recomputed on re-admission, as
-  SGLang's ``retract_decode``.
+  nothing free or evictable, running requests are retracted in SGLang's
+  ``retract_decode`` order (fewest generated tokens first, i.e. the newest; ties:
+  longest prompt) until the block fits: each goes to the back of the queue, its
+  KV freed, its progress recomputed on re-admission.
 
 Admission uses SGLang's token budget: free + evictable tokens, minus
 ``new_token_ratio`` x the remaining decode budget of running requests, must cover
 the new request's uncached prompt plus its remaining ``max_new_tokens``.
 ``new_token_ratio`` starts at 0.7, decays per decode step to 0.7*0.14 over 600
-steps and jumps back to 0.7 on a retraction (SGLang's defaults).
+steps (SGLang's defaults) and after a retraction is re-estimated as SGLang does:
+(tokens decoded by the remaining batch + 20 per request) / their max_new_tokens.
 
 Per-request work is O(blocks of that request); per decode step the work is
 O(requests that cross a block boundary or finish in that step), via buckets
@@ -372,11 +374,17 @@ class RankScheduler:
         for r, ep in events:
             if r.epoch != ep or r.state != RUNNING:
                 continue
+            retracted = False
             while not cache.alloc_private(1):
-                victim = next(reversed(self.running.values()))
+                # SGLang's retract_decode order: fewest generated tokens first (the
+                # newest request, in practice), ties broken by the longest prompt
+                victim = min(self.running.values(), key=lambda q: (q.base, -q.prompt_len))
                 self._retract(victim)
+                retracted = True
                 if victim is r or not self.running:
                     break
+            if retracted:
+                self._reset_ratio_after_retract()
             if r.state == RUNNING:
                 r.held += 1
                 self._schedule_growth(r)
@@ -393,8 +401,16 @@ class RankScheduler:
         r.hashes = None
         r.retractions += 1
         r.state = WAITING
-        self.waiting.appendleft(r)
-        self.new_token_ratio = self._ratio_init
+        self.waiting.append(r)      # SGLang: _extend_requests_to_queue(retracted)
+
+    def _reset_ratio_after_retract(self) -> None:
+        """SGLang's retract_decode estimate: (decoded + 20 steps per request) / max_new."""
+        n = len(self.running)
+        if n and self._sum_max_new > 0:
+            decoded = self._sum_base + n * self.step
+            self.new_token_ratio = min(1.0, (decoded + 20 * n) / self._sum_max_new)
+        else:
+            self.new_token_ratio = self._ratio_init
 
     def _drop_running(self, r: Req) -> None:
         """Free everything a running/prefilling request holds (no cache insertion)."""
