@@ -257,3 +257,135 @@ def test_bad_session_and_constructor_arguments(engines):
     with pytest.raises(ValueError):
         HttpProbe([a.url], path="kvgate/probe")
     assert a.bodies == []
+
+
+# ------------------------------------------------------------------ the plugin's routes, without vLLM
+class StandInEngineCore:
+    """Stands in for vLLM's async engine-core client (the real one is exercised in test_vllm_real.py):
+    `core_engines` data-parallel ranks, each holding `blocks[i]` leading blocks of every prompt."""
+
+    def __init__(self, blocks: list[int], delay_s: float = 0.0, fail: bool = False):
+        self.core_engines = list(range(len(blocks)))
+        self.blocks = blocks
+        self.delay_s = delay_s
+        self.fail = fail
+        self.calls: list[tuple] = []
+
+    async def _one(self, rank: int, method: str, *args):
+        self.calls.append((rank, method, args))
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail:
+            raise Exception(f"Call to {method} method failed: 'EngineCore' object has no attribute '{method}'")
+        if method == "kvgate_usage":
+            return {"usage": 0.1 * (rank + 1), "num_gpu_blocks": 100, "num_free_blocks": 90 - rank,
+                    "block_size": BLOCK, "engine": f"dp{rank}"}
+        ids = args[0]
+        n, cb = len(ids), min(self.blocks[rank], len(ids) // BLOCK)
+        return {"cached_blocks": cb, "cached_tokens": cb * BLOCK, "total_blocks": n // BLOCK, "total_tokens": n,
+                "hit_ratio": cb * BLOCK / n if n else 0.0, "block_size": BLOCK, "engine": f"dp{rank}"}
+
+    async def call_utility_async(self, method: str, *args):
+        return await self._one(0, method, *args)
+
+    async def call_utility_all_async(self, method: str, *args):
+        return await asyncio.gather(*[self._one(r, method, *args) for r in self.core_engines])
+
+
+class RouteServer:
+    """The plugin's routes on a Starlette app served by uvicorn on loopback (in a thread)."""
+
+    def __init__(self, core: StandInEngineCore, token: str | None = None, timeout_s: float = 5.0):
+        import uvicorn
+        from starlette.applications import Starlette
+
+        from kvgate.integrations.vllm_plugin import KvgateEndpointPlugin
+
+        app = Starlette()
+        plugin = KvgateEndpointPlugin(timeout_s=timeout_s, token=token)
+        plugin.attach_router(app)
+        asyncio.run(plugin.init_state(type("EC", (), {"engine_core": core})(), app.state, None))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
+                                                    lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def route_server():
+    made: list[RouteServer] = []
+
+    def make(*a, **kw) -> RouteServer:
+        s = RouteServer(*a, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_route_asks_every_dp_rank_and_answers_with_the_best(route_server):
+    import httpx
+    core = StandInEngineCore([2, 8, 5])
+    srv = route_server(core)
+    r = httpx.post(srv.url + "/kvgate/probe", json={"prompt_ids": PROMPT, "session_id": "s"}, timeout=5)
+    assert r.status_code == 200
+    body = r.json()
+    assert (body["cached_blocks"], body["engine"], body["total_blocks"]) == (8, "dp1", 10)
+    assert sorted(c[0] for c in core.calls) == [0, 1, 2]
+    u = httpx.get(srv.url + "/kvgate/usage", timeout=5).json()
+    assert u["usage"] == pytest.approx(0.3) and u["engine"] == "dp2" and len(u["engines"]) == 3
+    with HttpProbe([srv.url], timeout_s=2.0) as probe:
+        assert probe.probe("s", PROMPT).cached_blocks == 8
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1]", b"{}", b'{"prompt_ids": [1, -1]}',
+                                  b'{"prompt_ids": [true]}', b'{"prompt_ids": [1], "session_id": 3}',
+                                  b'{"prompt_ids": [1], "cache_salt": 3}'])
+def test_route_rejects_bad_bodies_without_asking_the_engine(route_server, body):
+    import httpx
+    core = StandInEngineCore([1])
+    srv = route_server(core)
+    r = httpx.post(srv.url + "/kvgate/probe", content=body, timeout=5)
+    assert r.status_code == 400 and "error" in r.json()
+    assert core.calls == []
+
+
+def test_route_engine_failures_and_timeouts(route_server):
+    import httpx
+    broken = route_server(StandInEngineCore([1], fail=True))
+    r = httpx.post(broken.url + "/kvgate/probe", json={"prompt_ids": PROMPT}, timeout=5)
+    assert r.status_code == 500 and "VLLM_PLUGINS" in r.json()["error"]
+    slow = route_server(StandInEngineCore([1], delay_s=3.0), timeout_s=0.2)
+    r = httpx.post(slow.url + "/kvgate/probe", json={"prompt_ids": PROMPT}, timeout=5)
+    assert r.status_code == 504
+    with HttpProbe([broken.url, slow.url], timeout_s=2.0) as probe:
+        res = probe.probe("s", PROMPT)
+    assert res.hit_ratio is None and "HTTP 500" in res.detail and "HTTP 504" in res.detail
+
+
+def test_route_token(route_server):
+    import httpx
+    srv = route_server(StandInEngineCore([4]), token="s3cret")
+    assert httpx.post(srv.url + "/kvgate/probe", json={"prompt_ids": PROMPT}, timeout=5).status_code == 401
+    assert httpx.get(srv.url + "/kvgate/usage", timeout=5).status_code == 401
+    with HttpProbe([srv.url], timeout_s=2.0, headers={"Authorization": "Bearer s3cret"}) as probe:
+        assert probe.probe("s", PROMPT).cached_blocks == 4
+    with HttpProbe([srv.url], timeout_s=2.0, headers={"Authorization": "Bearer wrong"}) as probe:
+        assert probe.probe("s", PROMPT).hit_ratio is None

@@ -41,6 +41,8 @@ PROBE_PATH = "/kvgate/probe"
 USAGE_PATH = "/kvgate/usage"
 #: server-side bound on one utility call (the EngineCore answers between steps; a long prefill step delays it)
 SERVER_TIMEOUT_ENV = "KVGATE_VLLM_ROUTE_TIMEOUT_S"
+#: when set, the routes require `Authorization: Bearer <token>` (vLLM's --api-key guards /v1 paths only)
+TOKEN_ENV = "KVGATE_VLLM_ROUTE_TOKEN"
 _FIRST_CHUNK_BLOCKS = 8
 
 
@@ -195,13 +197,14 @@ class KvgateEndpointPlugin:
     name = PLUGIN_NAME
     required_tasks = ("generate",)
 
-    def __init__(self, timeout_s: float | None = None):
+    def __init__(self, timeout_s: float | None = None, token: str | None = None):
         if timeout_s is None:
             timeout_s = float(os.environ.get(SERVER_TIMEOUT_ENV, "5.0"))
         self.timeout_s = timeout_s
+        self.token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
 
     def attach_router(self, app: Any) -> None:
-        attach_routes(app, timeout_s=self.timeout_s)
+        attach_routes(app, timeout_s=self.timeout_s, token=self.token)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         state.kvgate_engine_client = engine_client
@@ -213,15 +216,25 @@ def _engine_core_of(app: Any) -> Any:
     return getattr(client, "engine_core", None) if client is not None else None
 
 
-def attach_routes(app: Any, timeout_s: float = 5.0) -> None:
+def attach_routes(app: Any, timeout_s: float = 5.0, token: str | None = None) -> None:
     """Add the two routes to a FastAPI/Starlette app whose state holds vLLM's `engine_client`."""
+    import hmac
+
     from starlette.requests import Request as HTTPRequest
     from starlette.responses import JSONResponse
 
     def err(status: int, msg: str) -> JSONResponse:
         return JSONResponse({"error": msg}, status_code=status)
 
+    def denied(request: HTTPRequest) -> bool:
+        if not token:
+            return False
+        got = request.headers.get("authorization", "")
+        return not hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
+
     async def probe(request: HTTPRequest) -> JSONResponse:
+        if denied(request):
+            return err(401, "unauthorized")
         try:
             body = await request.json()
         except Exception:  # noqa: BLE001
@@ -253,6 +266,8 @@ def attach_routes(app: Any, timeout_s: float = 5.0) -> None:
         return JSONResponse(best_probe_answer(answers))
 
     async def usage(request: HTTPRequest) -> JSONResponse:
+        if denied(request):
+            return err(401, "unauthorized")
         core = _engine_core_of(request.app)
         if core is None:
             return err(503, "no engine behind this server")
