@@ -219,13 +219,17 @@ class Poller:
         """Extend the lease if we hold it, else try to take it.  Redis faults -> not leader."""
         was = self.is_leader
         try:
-            if was:
+            got = False
+            if getattr(self.lock.local, "token", None) is not None:
+                # We held it at some point: extending checks the token atomically, so this also
+                # keeps a lease we still own after a Redis blip made us think we lost it.
                 try:
                     self.lock.extend(self.leader_ttl_s, replace_ttl=True)
-                    return True
+                    got = True
                 except LockError:
-                    self.is_leader = False  # expired (we stalled) or taken over: try again below
-            got = bool(self.lock.acquire(blocking=False, token=self.identity))
+                    pass  # expired (we stalled) or taken over
+            if not got:
+                got = bool(self.lock.acquire(blocking=False, token=self.identity))
         except RedisError as e:
             log.warning("leader lease: redis error: %s", e)
             got = False
@@ -244,9 +248,9 @@ class Poller:
 
     def release(self) -> None:
         """Give up the lease at once (graceful shutdown: a standby takes over next tick)."""
-        if self.is_leader:
+        if getattr(self.lock.local, "token", None) is not None:
             try:
-                self.lock.release()
+                self.lock.release()  # a no-op error if the lease is no longer ours
             except (LockError, RedisError):
                 pass
         self.is_leader = False

@@ -295,3 +295,20 @@ def test_negative_counts_read_as_missing(redis_url, servers):
     assert r.wrote
     st = {s.engine_id: s for s in r.states}
     assert st[odd.url].healthy and st[odd.url].used_tokens is None  # negative count -> missing
+
+
+def test_leader_keeps_its_lease_across_a_redis_stall(redis_url, servers):
+    import redis as redis_lib
+
+    e = servers(sglang_metrics(10_000, 100))
+    gate = make_gate(redis_url, redis_timeout_s=0.3)
+    a = Poller(gate, engines=[e.url], leader_ttl_s=5.0, identity="A")
+    b = Poller(make_gate(redis_url), engines=[e.url], leader_ttl_s=5.0, identity="B")
+    assert a.tick().wrote
+    admin = redis_lib.Redis.from_url(redis_url)
+    admin.execute_command("CLIENT", "PAUSE", "1000", "ALL")
+    r = a.tick()  # its commands time out: not leader for this tick
+    assert not r.leader and not r.wrote
+    admin.ping()  # blocks until the pause ends (well within the 5 s lease)
+    assert a.tick().wrote  # the lease is still its own: extended, not lost until it expires
+    assert a.leader_identity() == "A" and not b.tick().leader
