@@ -164,10 +164,15 @@ def _need_connection(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"{args.command}: --gate NAME is required (or set KVGATE_GATE)")
 
 
-def _open_gate(args: argparse.Namespace, cfg):
+def _open_gate(args: argparse.Namespace, cfg, parser: argparse.ArgumentParser | None = None):
     import kvgate
 
-    return kvgate.Gate.from_url(args.redis, gate=args.gate, config=cfg)
+    try:
+        return kvgate.Gate.from_url(args.redis, gate=args.gate, config=cfg)
+    except ValueError as e:  # malformed URL
+        if parser is None:
+            raise
+        parser.error(f"--redis {args.redis!r}: {e}")
 
 
 def _leader_of(gate, name: str) -> str | None:
@@ -187,7 +192,7 @@ def cmd_poller(parser, args, cfg) -> int:
 
     if not args.router and not args.engine:
         parser.error("poller: give --router URL or at least one --engine URL")
-    gate = _open_gate(args, cfg)
+    gate = _open_gate(args, cfg, parser)
     try:
         poller = Poller(gate, router=args.router, engines=args.engine, interval_s=args.interval,
                         http_timeout_s=args.http_timeout, max_body_bytes=args.max_body_bytes,
@@ -198,7 +203,12 @@ def cmd_poller(parser, args, cfg) -> int:
     if args.dry_run:
         return _dry_run(poller)
     if args.metrics_port:
-        _serve_metrics(gate, poller, args.metrics_host, args.metrics_port)
+        try:
+            _serve_metrics(gate, poller, args.metrics_host, args.metrics_port)
+        except OSError as e:
+            print(f"kvgate poller: cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {e}",
+                  file=sys.stderr)
+            return 1
 
     def _stop(signum, _frame):
         logging.getLogger("kvgate.poller").info("signal %s: stopping", signum)
@@ -265,7 +275,7 @@ def cmd_status(parser, args, cfg) -> int:
 
     from kvgate.status import render_status, status_json
 
-    gate = _open_gate(args, cfg)
+    gate = _open_gate(args, cfg, parser)
     try:
         st = gate.status()
     except Exception as e:  # noqa: BLE001 - report, do not trace
@@ -291,7 +301,7 @@ def cmd_top(parser, args, cfg) -> int:
 
     from kvgate.status import render_status
 
-    gate = _open_gate(args, cfg)
+    gate = _open_gate(args, cfg, parser)
     console = Console()
 
     def frame():

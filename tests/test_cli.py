@@ -71,6 +71,7 @@ def test_bad_knob_is_a_clear_error():
     (["poller", "--redis", "redis://127.0.0.1:1/0", "--gate", "g", "--engine", "http://b", "--metrics-port",
       "70000"], "not a TCP port"),
     ([], "required"),
+    (["status", "--redis", "http://127.0.0.1:1", "--gate", "g"], "--redis"),
 ])
 def test_argument_errors(argv, needle, capsys, monkeypatch):
     monkeypatch.delenv("KVGATE_REDIS_URL", raising=False)
