@@ -50,14 +50,14 @@ _CPU_TOOL = ToolLatency(fast_median_s=0.2, slow_median_s=1.5, slow_frac=0.0,
 SCENARIOS: dict[str, Scenario] = {
     # Working set several times the pool: the regime kvgate exists for.
     "default": Scenario(
-        description="KV pressure: the sessions' final contexts add up to several times the KV pool",
-        profile="gpu-h100-30b", sessions=48, turns="16-32", first_prompt="1500-2500",
-        tool_result="100-400", output="30-120", time_scale=0.02),
-    # Same sessions' shape, few enough that everything stays resident.
+        description="KV pressure: the sessions' final contexts add up to ~3.5x the KV pool",
+        profile="gpu-h100-30b", sessions=40, turns="16-32", first_prompt="1500-2500",
+        tool_result="100-400", output="30-120", time_scale=0.015),
+    # Same session shapes, few enough that every context stays resident.
     "no-pressure": Scenario(
         description="no KV pressure: every session's context fits in the pool at once",
         profile="gpu-h100-30b", sessions=6, turns="16-32", first_prompt="1500-2500",
-        tool_result="100-400", output="30-120", time_scale=0.02),
+        tool_result="100-400", output="30-120", time_scale=0.05),
     # The shapes of the real CPU vLLM measurements (ENGINES.md), on the fitted profiles.
     "cpu-tiny": Scenario(
         description="12 sessions x 12 turns on an 80-block (2,560-token) cache, tiny CPU model profile",

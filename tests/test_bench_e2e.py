@@ -1,0 +1,103 @@
+"""A short end-to-end bench run: every policy against the SGLang simulator, real Redis.
+
+Tiny sizes and a fast time scale; checks structure and accounting, never timings.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvgate.bench import cli as bench_cli
+from kvgate.bench.engines import parse_counters, SGLANG_COUNTERS, VLLM_COUNTERS
+from kvgate.bench.runner import parse_policies
+
+pytestmark = pytest.mark.timeout(120)
+
+POLICIES = "none,cap,turncap-2,admission,residency,kvgate"
+
+
+def _run(tmp_path, *extra):
+    out = tmp_path / "out"
+    args = ["--sessions", "6", "--turns", "3-4", "--first-prompt", "200-300", "--tool-result", "20-40",
+            "--output", "8-16", "--time-scale", "0.01", "--kv-capacity", "2048", "--caps", "2,4",
+            "--policies", POLICIES, "--out", str(out), "--no-progress", *extra]
+    rc = bench_cli.main(args)
+    return rc, json.loads((out / "bench.json").read_text()), out
+
+
+def test_every_policy_end_to_end(tmp_path, redis_url):
+    rc, data, out = _run(tmp_path, "--redis", redis_url)
+    assert rc == 0
+    names = [p["policy"] for p in data["policies"]]
+    assert names == ["none", "cap-2", "cap-4", "turncap-2", "admission", "residency", "kvgate"]
+    n_turns = data["workload"]["turns"]
+    for p in data["policies"]:
+        assert p["errors"] == 0, p["error_examples"]
+        assert p["turns_done"] == n_turns
+        assert p["wall_s"] > 0
+        assert p["hit_rate_source"] == "engine /metrics"
+        assert 0.0 <= p["hit_rate"] <= 1.0
+        # every prompt token was either a cache hit or prefilled
+        assert p["uncached_tokens"] <= p["prompt_tokens"]
+        assert p["latency_p50_s"] <= p["latency_p99_s"]
+        assert set(p["latency_by_turn_s"]) == {str(i) for i in range(4)}
+        if p["kind"] == "gate":
+            assert sum(p["admissions"].values()) == n_turns
+            assert p["gate"]["snapshots"]
+            assert p["step_metrics"], "gate.step_metrics() was empty"
+        else:
+            assert p["admissions"] == {}
+    by = {p["policy"]: p for p in data["policies"]}
+    assert by["residency"]["gate"]["probe"] == "HttpProbe"
+    assert by["admission"]["gate"]["probe"] is None
+    assert by["none"]["ratio_to_none"] == 1.0
+    assert data["best_cap"] in ("cap-2", "cap-4")
+    assert (out / "hit_rate_over_time.png").stat().st_size > 0
+    assert (out / "latency_by_turn.png").stat().st_size > 0
+
+
+def test_embedded_fakeredis_fallback(tmp_path):
+    out = tmp_path / "out"
+    rc = bench_cli.main(["--sessions", "3", "--turns", "2", "--first-prompt", "100", "--tool-result", "10",
+                         "--output", "4", "--time-scale", "0.01", "--policies", "none,kvgate",
+                         "--embedded-redis", "fakeredis", "--out", str(out), "--no-progress", "--no-plots"])
+    assert rc == 0
+    data = json.loads((out / "bench.json").read_text())
+    assert data["redis"] == "fakeredis"
+    assert all(p["turns_done"] == data["workload"]["turns"] for p in data["policies"])
+
+
+@pytest.mark.parametrize("argv", [["--policies", "none,bogus"], ["--caps", "0"], ["--turns", "5-2"],
+                                  ["--time-scale", "0"], ["--profile", "no-such-profile"],
+                                  ["--engine", "ftp://x"], ["--knob", "headroom=7", "--policies", "kvgate"]])
+def test_bad_arguments_exit_2_before_running(tmp_path, argv):
+    assert bench_cli.main([*argv, "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert not (tmp_path / "o").exists()
+
+
+def test_parse_policies():
+    ps = parse_policies("none,cap,kvgate,turncap-3", [2, 8])
+    assert [p.name for p in ps] == ["none", "cap-2", "cap-8", "kvgate", "turncap-3"]
+    assert ps[3].admission and ps[3].residency
+    with pytest.raises(ValueError):
+        parse_policies("none,none", [])
+    with pytest.raises(ValueError):
+        parse_policies("cap", [])
+
+
+def test_counters_aggregate_ranks_by_max_and_sources_by_sum():
+    text = "\n".join([
+        "# TYPE sglang:prompt_tokens_total counter",
+        'sglang:prompt_tokens_total{tp_rank="0"} 1000',
+        'sglang:prompt_tokens_total{tp_rank="1"} 1000',
+        "# TYPE sglang:cached_tokens_total counter",
+        'sglang:cached_tokens_total{cache_source="device",tp_rank="0"} 600',
+        'sglang:cached_tokens_total{cache_source="device",tp_rank="1"} 600',
+        'sglang:cached_tokens_total{cache_source="host",tp_rank="0"} 100',
+    ])
+    c = parse_counters(text, SGLANG_COUNTERS)
+    assert (c.queries, c.hits) == (1000, 700)
+    v = parse_counters("vllm:prefix_cache_queries_total{engine=\"0\"} 50\n"
+                       "vllm:prefix_cache_hits_total{engine=\"0\"} 20\n", VLLM_COUNTERS)
+    assert v.hit_rate == pytest.approx(0.4)
