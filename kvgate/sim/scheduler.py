@@ -150,7 +150,6 @@ class RankScheduler:
         self.retracted_input_tokens = 0
         self.retracted_output_tokens = 0
         self.prefill_computed_tokens = 0
-        self.last_retracted = 0
         self._hits: Deque[Tuple[int, int]] = deque()
         self._hit_sum = 0
         self._tok_sum = 0
@@ -393,7 +392,6 @@ class RankScheduler:
         gen = r.base + self.step
         self._drop_running(r)
         self.retractions += 1
-        self.last_retracted += 1
         self.retracted_input_tokens += r.prompt_len
         self.retracted_output_tokens += gen
         r.gen = gen
