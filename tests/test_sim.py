@@ -437,3 +437,20 @@ def test_cli_rejects_an_unknown_profile_and_lists_the_available_ones():
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert "unknown simulator profile 'nope'" in p.stderr and "gpu-h100-30b" in p.stderr
+
+
+def test_flush_cache_only_when_idle(fresh):
+    url = fresh.engine_urls[0]
+    with client() as c:
+        p = rand_ids(70, 320)
+        gen(c, url, p, 4)
+        assert c.post(url + "/kvgate/probe", json={"prompt_ids": p}).json()["cached_blocks"] == 20
+        r = c.post(url + "/flush_cache")
+        assert r.status_code == 200 and r.text.startswith("Cache flushed.")
+        assert c.post(url + "/kvgate/probe", json={"prompt_ids": p}).json()["cached_blocks"] == 0
+        assert metric(metrics(c, url), "sglang:kv_available_tokens") == 2048
+        assert metric(metrics(c, url), "sglang:prompt_tokens_total") == 320     # counters kept
+    assert fresh.call(lambda: fresh.engines[0].ranks[0].submit(Req("busy", [1] * 20, 4))) is None
+    with client() as c:   # a queued request (the driver was not woken) blocks the flush
+        r = c.get(url + "/flush_cache")
+        assert r.status_code == 400 and r.text.startswith("Cache not flushed.")

@@ -12,6 +12,7 @@ import uuid
 import zlib
 from typing import Any, Dict, List, Optional, Sequence
 
+from .cache import PrefixCache
 from .profile import Profile, load_profile
 from .scheduler import Iteration, RankScheduler, Req
 
@@ -196,6 +197,19 @@ class SimEngine:
                 freed = True
                 self._kick(i)
         return freed
+
+    def flush_cache(self) -> bool:
+        """SGLang's ``/flush_cache``: drop every cached block (and session pins) when idle.
+
+        Refused (False) while any request is running or queued, as SGLang does.
+        Counters are kept.
+        """
+        if any(r.busy() or r._inflight is not None for r in self.ranks):
+            return False
+        for r in self.ranks:
+            r.cache = PrefixCache(self.profile.kv_capacity_tokens, self.profile.block_size)
+            r.sessions.clear()
+        return True
 
     # -------------------------------------------------------------- queries
     def probe(self, prompt_ids: Sequence[int], session_id: Optional[str] = None) -> Dict[str, Any]:

@@ -1,7 +1,7 @@
 """Starlette app that serves a :class:`SimEngine` with SGLang's HTTP surface.
 
 Routes (SGLang's): ``POST /generate``, ``POST /abort_request``,
-``GET|POST /close_session``, ``GET /health``, ``GET /health_generate``,
+``GET|POST /close_session``, ``GET|POST /flush_cache``, ``GET /health``, ``GET /health_generate``,
 ``GET /get_model_info``, ``GET /get_server_info``, ``GET /metrics``.
 Routes a real SGLang does not have: ``POST /kvgate/probe`` and
 ``GET /kvgate/usage`` (the shared probe contract, so kvgate's HTTP probe can be
@@ -156,6 +156,13 @@ def build_engine_app(engine: SimEngine, on_stop: Optional[Callable[[], Any]] = N
         engine.close_session(sid)
         return Response(status_code=200)
 
+    async def flush_cache(request: Request) -> Response:
+        ok = engine.flush_cache()
+        msg = ("Cache flushed.\nPlease check backend logs for more details. (When there are "
+               "running or waiting requests, the operation will not be performed.)\n")
+        return PlainTextResponse(msg if ok else msg.replace("Cache flushed.", "Cache not flushed."),
+                                 status_code=200 if ok else 400)
+
     async def health(request: Request) -> Response:
         return Response(status_code=200)
 
@@ -209,6 +216,7 @@ def build_engine_app(engine: SimEngine, on_stop: Optional[Callable[[], Any]] = N
         Route("/generate", generate, methods=["POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/close_session", close_session, methods=["GET", "POST"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),
