@@ -141,6 +141,9 @@ def _kind_guess(s: ScrapeResult) -> str:
 
 
 def _redis_of(gate: Any) -> redis.Redis:
+    if type(gate).__name__.startswith("Async"):
+        raise ValueError("Poller needs a synchronous kvgate.Gate (it runs its own event loop), "
+                         f"got {type(gate).__name__}")
     for attr in ("redis", "client", "_redis", "_client", "r"):
         c = getattr(gate, attr, None)
         if isinstance(c, (redis.Redis, redis.RedisCluster)):

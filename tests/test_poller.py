@@ -312,3 +312,9 @@ def test_leader_keeps_its_lease_across_a_redis_stall(redis_url, servers):
     admin.ping()  # blocks until the pause ends (well within the 5 s lease)
     assert a.tick().wrote  # the lease is still its own: extended, not lost until it expires
     assert a.leader_identity() == "A" and not b.tick().leader
+
+
+def test_async_gate_is_refused_with_a_clear_message(redis_url):
+    agate = kvgate.AsyncGate.from_url(redis_url, gate="pg")
+    with pytest.raises(ValueError, match="synchronous kvgate.Gate"):
+        Poller(agate, engines=["http://127.0.0.1:1"])
