@@ -93,7 +93,9 @@ def build_engine_app(engine: SimEngine, on_stop: Optional[Callable[[], Any]] = N
             sp = data.get("sampling_params") or {}
             if not isinstance(sp, dict):
                 raise ValueError("sampling_params must be a JSON object")
-            max_new = sp.get("max_new_tokens", 128)
+            max_new = sp.get("max_new_tokens")
+            if max_new is None:
+                max_new = 128            # SGLang's SamplingParams default
             rid = data.get("rid")
             if rid is not None and (not isinstance(rid, str) or not rid):
                 raise ValueError("rid must be a non-empty string")
