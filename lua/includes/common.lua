@@ -3,7 +3,8 @@
 
   Every kvgate script receives the same KEYS (all under one hash tag, so a gate lives
   in one Redis Cluster slot):
-    KEYS[1]  ledger        HASH   reserved (tokens), epoch, seq (FIFO sequence counter)
+    KEYS[1]  ledger        HASH   reserved (tokens), epoch, seq (FIFO sequence counter),
+                                  wseq (window id counter)
     KEYS[2]  snapshot      HASH   ts_ms, capacity, usage, n_engines, n_healthy, healthy_sig,
                                   hit_rate, engines (JSON)
     KEYS[3]  fifo          ZSET   ticket -> FIFO sequence number (strict order)
@@ -12,10 +13,11 @@
     KEYS[5]  alive         ZSET   ticket -> liveness deadline (ms) of a waiter record
     KEYS[6]  session_waiter HASH  session -> its waiting ticket (attempt preemption)
     KEYS[7]  leases        HASH   ticket -> JSON {s, t=own charge (tokens), w=1 if held under
-                                  the session's window, a=admitted ms, e=enqueued ms, r=reason,
+                                  the session's window, wid=that window's id, a=admitted ms,
+                                  e=enqueued ms, r=reason,
                                   ep=epoch, c=1 while a FIFO grant is unclaimed}
     KEYS[8]  lease_exp     ZSET   ticket -> lease expiry (ms)
-    KEYS[9]  windows       HASH   session -> JSON {t=charged tokens, h=holders, ep=epoch,
+    KEYS[9]  windows       HASH   session -> JSON {id=window id, t=charged tokens, h=holders, ep=epoch,
                                   x=idle-grace expiry ms (0 while held)}
     KEYS[10] window_exp    ZSET   session -> idle-grace expiry (ms), idle windows only
     KEYS[11] stats         HASH   counters of the current rollout step (drained per step)

@@ -80,7 +80,9 @@ local function free_lease(ticket)
   redis.call("ZREM", K.lease_exp, ticket)
   if l.w == 1 then
     local win = jget(K.windows, l.s)
-    if win then
+    -- only the window this lease was charged to: if that one ended meanwhile (finish,
+    -- epoch change) a newer window of the session is not this lease's to release
+    if win and win.id == l.wid then
       win.h = math.max(0, win.h - 1)
       if win.h == 0 then
         window_idle(l.s, win)
@@ -101,7 +103,7 @@ local function grant(ticket, session, need, reason, enq_ms, win_mode, claim)
   if win_mode ~= nil then
     local win = jget(K.windows, session)
     if win == nil then
-      win = { t = need, h = 1, ep = epoch(), x = 0 }
+      win = { t = need, h = 1, ep = epoch(), x = 0, id = redis.call("HINCRBY", K.ledger, "wseq", 1) }
       charge(need)
       l.t = 0
       l.w = 1
@@ -117,7 +119,10 @@ local function grant(ticket, session, need, reason, enq_ms, win_mode, claim)
       -- a concurrent turn of the same session (a branch): charged on its own
       charge(need)
     end
-    if l.w == 1 then jset(K.windows, session, win) end
+    if l.w == 1 then
+      l.wid = win.id
+      jset(K.windows, session, win)
+    end
   else
     charge(need)
   end
