@@ -7,6 +7,10 @@
 Method (each model measured in its own child process, EngineCore in-process with
 VLLM_ENABLE_V1_MULTIPROCESSING=0, so no IPC or HTTP time is counted; dummy weights, greedy):
 
+- clock: CPU seconds of the measuring process (time.process_time), not wall time. vLLM's CPU backend
+  serves with one torch thread and the in-process engine does its work on that thread, so CPU time is
+  what the work costs on an idle core; wall time on this shared 2-core machine (other test suites
+  running, load average 5-8) was inflated 2-10x and erratic. Wall times are kept in the raw data.
 - prefill: one cold prompt of U tokens with max_tokens=1 (prefill + first sample), U from 32 to 2016,
   `--reps` distinct prompts each, the MINIMUM kept (the machine is shared: the fastest run is the least
   disturbed one); fit  t = prefill_base_s + prefill_s_per_token * U.
@@ -42,9 +46,9 @@ PROFILE_BLOCKS = 80          # the tests' / benchmarks' cache: 79 usable blocks 
 MEASURE_BLOCKS = 700         # roomy cache while timing (no preemption, no eviction)
 MAX_LEN = 2048
 PREFILL_LENGTHS = [32, 128, 256, 512, 768, 1024, 1536, 2016]
-DECODE_BATCHES = [1, 4, 8, 16]
+DECODE_BATCHES = [1, 4, 16]
 DECODE_PROMPTS = [32, 512]
-D1, D2 = 8, 40
+D1, D2 = 8, 72
 _seed = [0]
 
 
@@ -69,11 +73,16 @@ def measure(kind: str, reps: int) -> dict:
     start_s = time.monotonic() - t0
     sched = llm.llm_engine.vllm_config.scheduler_config
 
+    wall: list[float] = []
+
     def run(prompts: list[list[int]], max_tokens: int) -> float:
+        """CPU seconds of this process for one generate() (wall seconds are kept in `wall`)."""
         sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        t = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-        dt = time.perf_counter() - t
+        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        t, c = time.perf_counter(), time.process_time()
+        outs = llm.generate(batch, sp, use_tqdm=False)
+        dt = time.process_time() - c
+        wall.append(time.perf_counter() - t)
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
         assert all((o.num_cached_tokens or 0) == 0 for o in outs), "a timing prompt hit the prefix cache"
         return dt
@@ -83,8 +92,11 @@ def measure(kind: str, reps: int) -> dict:
         run([fresh(32) for _ in range(4)], 4)
     prefill = []
     for u in PREFILL_LENGTHS:
-        ts = [run([fresh(u)], 1) for _ in range(reps)]
-        prefill.append({"tokens": u, "s": min(ts), "median": statistics.median(ts), "all": ts})
+        ts, ws = [], []
+        for _ in range(reps):
+            ts.append(run([fresh(u)], 1))
+            ws.append(wall[-1])
+        prefill.append({"tokens": u, "s": min(ts), "median": statistics.median(ts), "all": ts, "wall": ws})
         print(f"# {kind} prefill {u:5d} tok: min {min(ts) * 1e3:8.2f} ms  median {statistics.median(ts) * 1e3:8.2f}",
               file=sys.stderr, flush=True)
     decode = []
@@ -100,7 +112,8 @@ def measure(kind: str, reps: int) -> dict:
             decode.append({"batch": b, "prompt": p, "kv_tokens": kv, "s": step, "t_d1": t1s, "t_d2": t2s})
             print(f"# {kind} decode B={b:2d} P={p:4d}: {step * 1e3:8.3f} ms/step", file=sys.stderr, flush=True)
     import vllm
-    return {"kind": kind, "vllm": vllm.__version__, "engine_start_s": start_s,
+    return {"kind": kind, "vllm": vllm.__version__, "engine_start_s": start_s, "clock": "process_time",
+            "torch_threads": __import__("torch").get_num_threads(),
             "max_num_seqs": int(sched.max_num_seqs), "max_num_batched_tokens": int(sched.max_num_batched_tokens),
             "prefill": prefill, "decode": decode, "cpus": os.cpu_count(), "machine": platform.machine(),
             "date": datetime.date.today().isoformat()}
@@ -145,7 +158,9 @@ def profile(raw: dict, f: dict) -> dict:
            f"(R^2 {f['prefill_r2']:.3f}). Decode: (min T(D={D2}) - min T(D={D1}))/{D2 - D1} for batches 1..16 of "
            f"32- and 512-token prompts, least squares step = base + per_seq*B + per_kv*KV "
            f"(R^2 {f['decode_r2']:.3f}). Capacity = the 80-block (79 usable) cache of the real-engine tests. "
-           f"Shared 2-core machine with other test suites running (load average 5-8): timings are inflated and noisy; treat as order of magnitude.")
+           f"Clock: CPU seconds of the single-threaded in-process engine (process_time), because wall time on the "
+           f"shared 2-core machine (load average 5-8 from other test suites) was inflated and erratic; an idle "
+           f"core should see about these times.")
     return {
         "name": f"cpu-vllm-{kind}", "model_name": "tiny", "source": src,
         "block_size": BLOCK, "kv_capacity_tokens": (PROFILE_BLOCKS - 1) * BLOCK,
@@ -182,7 +197,7 @@ def report(raw: dict, f: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="tiny,heavy")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--from-raw", help="refit saved measurements instead of measuring")
     ap.add_argument("--save-raw", help="write the raw measurements here")
     ap.add_argument("--no-write", action="store_true", help="print only; do not write the profiles")

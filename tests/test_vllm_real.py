@@ -271,6 +271,36 @@ def test_in_process_probe_agrees_with_http_route(server, http):
     assert usage["num_gpu_blocks"] == NUM_BLOCKS
 
 
+def test_in_process_probe_on_sync_llm():
+    """`vllm.LLM` (EngineCore in a child process, SyncMPClient): probe() with a bounded utility call."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**engine_kwargs(write_model(), num_blocks=NUM_BLOCKS, block_size=BS, max_model_len=2048))
+    probe = None
+    try:
+        probe = InProcessVllmProbe(llm, timeout_s=10.0)
+        assert probe.mode == "sync"
+        sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        a = toks(70, 200)
+        assert probe.probe("s", a).cached_blocks == 0
+        llm.generate([TokensPrompt(prompt_token_ids=a)], sp, use_tqdm=False)
+        r = probe.probe("s", a)
+        assert (r.cached_blocks, r.cached_tokens, r.total_tokens) == (6, 192, 200)
+        b = a[:70] + toks(71, 100)
+        assert probe.probe("s", b).cached_tokens == 64
+        out = llm.generate([TokensPrompt(prompt_token_ids=b)], sp, use_tqdm=False)[0]
+        assert out.num_cached_tokens == 64  # the engine agrees
+        assert asyncio.run(probe.aprobe("s", a)).cached_blocks == 6  # aprobe() runs the call in a thread
+        assert probe.usage()["num_gpu_blocks"] == NUM_BLOCKS
+        with pytest.raises(ValueError):
+            probe.probe("s", [1, "x"])
+    finally:
+        if probe is not None:
+            probe.close()
+        llm.llm_engine.engine_core.shutdown()
+
+
 # -------------------------------------------------------------------------------- the gate on a real engine
 class RecordingProbe:
     """The real HTTP probe, recording what it answered for each session (for the assertions)."""
