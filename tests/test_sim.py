@@ -291,11 +291,15 @@ def test_older_router_without_workers_endpoint():
 
 def test_stopped_engine_refuses_and_router_moves_its_sessions():
     with SimCluster(2, time_scale=0.0, health_check_interval_s=None, **SMALL) as sim, client() as c:
+        on0 = [sid for sid in (f"d-{k}" for k in range(200))
+               if sim.call(sim.router.pick, sid).url == sim.engine_urls[0]][:3]
+        assert on0
         sim.stop_engine(0)
         with pytest.raises(httpx.ConnectError):
             c.get(sim.engine_urls[0] + "/health")
-        for k in range(5):   # sessions hashed to the dead engine are retried on the live one
-            assert gen(c, sim.router_url, rand_ids(k, 64), 2, session_id=f"d-{k}")["output_ids"]
+        for k, sid in enumerate(on0):   # sessions hashed to the dead engine are retried on the live one
+            assert gen(c, sim.router_url, rand_ids(k, 64), 2, session_id=sid)["output_ids"]
+        assert sim.stats(1)["total"]["num_requests"] == len(on0)
         ws = {w["url"]: w["is_healthy"] for w in c.get(sim.router_url + "/workers").json()["workers"]}
         assert ws == {sim.engine_urls[0]: False, sim.engine_urls[1]: True}
         sim.start_engine(0)
