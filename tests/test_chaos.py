@@ -1,0 +1,529 @@
+"""Chaos: faults degrade to admission, never to an exception or a hang (SPEC section 8).
+
+Each test starts its own redis-server and breaks it: kill -9, SCRIPT FLUSH, a restart on
+the same port, CLIENT PAUSE; or kills a client process with SIGKILL while it waits or holds
+a lease; or cancels asyncio waiters, also at the very moment a grant arrives. Every call
+that could hang runs under a bound in the test (``bounded`` / ``asyncio.wait_for``); the
+bound is a hang detector, not a latency assertion. Poller death is covered in
+tests/test_poller*.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import redis
+
+import kvgate
+from kvgate._base import BREAKER_S
+
+from conftest import start_redis
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis_real]
+
+CAP = 1000            # ceiling 900 tokens
+HOLD = 800            # a holder of HOLD leaves room for nothing of WAIT
+WAIT = 500
+HANG_S = 10.0         # a call that takes longer than this is a hang
+
+
+def _cfg(**kw) -> kvgate.GateConfig:
+    base = dict(redis_timeout_s=0.3, wait_poll_s=0.2, max_wait_s=20.0, staleness_s=60.0,
+                idle_grace_s=0.0, lease_ttl_s=60.0, expected_decode_cap=None)
+    base.update(kw)
+    return kvgate.GateConfig(**base)
+
+
+def _engines(usage: float = 0.1):
+    return [kvgate.EngineState("http://127.0.0.1:9401", capacity_tokens=CAP, usage=usage,
+                               url="http://127.0.0.1:9401")]
+
+
+def bounded(fn, *args, timeout: float = HANG_S, **kw):
+    """Run ``fn`` in a thread; fail the test if it does not return within ``timeout``."""
+    ex = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    fut = ex.submit(fn, *args, **kw)
+    try:
+        done, _ = concurrent.futures.wait([fut], timeout=timeout)
+        if not done:
+            pytest.fail(f"{getattr(fn, '__name__', fn)} did not return within {timeout}s (hang)")
+        return fut.result()     # (not result(timeout): AdmissionTimeout is a TimeoutError too)
+    finally:
+        ex.shutdown(wait=False)
+
+
+def wait_until(pred, timeout: float = HANG_S, step: float = 0.02, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(step)
+
+
+def _ledger_consistent(r: redis.Redis, g) -> int:
+    """reserved == own charges of live leases + window charges; returns reserved."""
+    reserved = int(r.hget(g.key("ledger"), "reserved") or 0)
+    own = sum(json.loads(v)["t"] for v in r.hvals(g.key("leases")))
+    win = sum(json.loads(v)["t"] for v in r.hvals(g.key("windows")))
+    assert reserved == own + win, (reserved, own, win)
+    assert int(r.hget(g.key("totals"), "ledger_clamped") or 0) == 0
+    return reserved
+
+
+def _total(r: redis.Redis, g, field: str) -> int:
+    return int(float(r.hget(g.key("totals"), field) or 0))
+
+
+# -- kill -9 of Redis ------------------------------------------------------------------------
+def test_kill9_redis_turns_degrade_without_hang(fresh_redis):
+    g = kvgate.Gate.from_url(fresh_redis.url, gate="chaos", config=_cfg())
+    try:
+        g.write_snapshot(_engines())
+        holder = bounded(g.acquire, "holder", prompt_tokens=HOLD, max_new_tokens=0)
+        assert (holder.outcome, holder.reason) == ("admit", "open")
+        ex = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        waiter = ex.submit(g.acquire, "waiter", prompt_tokens=WAIT, max_new_tokens=0)
+        r = fresh_redis.client()
+        wait_until(lambda: r.zcard(g.key("fifo")) == 1, what="the waiter to enqueue")
+
+        fresh_redis.stop(signal.SIGKILL)
+
+        lease = waiter.result(timeout=HANG_S)     # its next re-check finds Redis gone
+        assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+        ex.shutdown(wait=False)
+        for i in range(3):
+            lease = bounded(g.acquire, f"new{i}", prompt_tokens=10, max_new_tokens=10)
+            assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+            assert bounded(lease.release) is False
+        # after the breaker period the gate tries Redis again, and still degrades
+        time.sleep(BREAKER_S + 0.1)
+        with g.turn("after-breaker", prompt_tokens=10, max_new_tokens=10) as lease:
+            assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+        assert bounded(holder.release) is False          # the TTL would reclaim it
+        out = bounded(g.finish_session, "holder")
+        assert "error" in out
+        m = bounded(g.step_metrics)
+        assert m["agentic_kv/budget/degraded"] == 1.0
+    finally:
+        g.close()
+
+
+def test_kill9_redis_async_turns_degrade_without_hang(fresh_redis):
+    async def main():
+        g = kvgate.AsyncGate.from_url(fresh_redis.url, gate="chaos", config=_cfg())
+        try:
+            await g.write_snapshot(_engines())
+            holder = await asyncio.wait_for(g.acquire("holder", prompt_tokens=HOLD, max_new_tokens=0), HANG_S)
+            assert holder.outcome == "admit"
+            waiter = asyncio.ensure_future(g.acquire("waiter", prompt_tokens=WAIT, max_new_tokens=0))
+            r = fresh_redis.client()
+            for _ in range(500):
+                if r.zcard(g.key("fifo")) == 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert r.zcard(g.key("fifo")) == 1
+            fresh_redis.stop(signal.SIGKILL)
+            lease = await asyncio.wait_for(waiter, HANG_S)
+            assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+            lease = await asyncio.wait_for(g.acquire("new", prompt_tokens=10, max_new_tokens=10), HANG_S)
+            assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+            await asyncio.sleep(BREAKER_S + 0.1)
+            async with g.turn("after-breaker", prompt_tokens=10, max_new_tokens=10) as lease:
+                assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+            assert await asyncio.wait_for(holder.release(), HANG_S) is False
+            out = await asyncio.wait_for(g.finish_session("holder"), HANG_S)
+            assert "error" in out
+            m = await asyncio.wait_for(g.step_metrics(), HANG_S)
+            assert m["agentic_kv/budget/degraded"] == 1.0
+        finally:
+            await asyncio.wait_for(g.aclose(), HANG_S)
+
+    asyncio.run(main())
+
+
+# -- SCRIPT FLUSH -----------------------------------------------------------------------------
+def test_script_flush_between_calls_reloads_and_decides(fresh_redis):
+    r = fresh_redis.client()
+    g = kvgate.Gate.from_url(fresh_redis.url, gate="flush", config=_cfg())
+    try:
+        g.write_snapshot(_engines())
+        r.script_flush()
+        a = bounded(g.acquire, "a", prompt_tokens=HOLD, max_new_tokens=0)
+        assert (a.outcome, a.reason) == ("admit", "open")
+        r.script_flush()
+        # B does not fit: the reloaded script must make it wait (not degrade), so it times out
+        with pytest.raises(kvgate.AdmissionTimeout):
+            bounded(g.acquire, "b", prompt_tokens=WAIT, max_new_tokens=0, timeout_s=0.3)
+        assert r.zcard(g.key("fifo")) == 0, "a timed-out waiter stays in the FIFO"
+        r.script_flush()
+        assert bounded(a.release) is True
+        r.script_flush()
+        c = bounded(g.acquire, "c", prompt_tokens=WAIT, max_new_tokens=0)
+        assert (c.outcome, c.reason) == ("admit", "open")
+        assert _ledger_consistent(r, g) == WAIT
+        r.script_flush()
+        assert bounded(g.finish_session, "c")["window"] == 0
+        assert bounded(c.release) is True
+        r.script_flush()
+        assert bounded(g.housekeep, 10)["leases"] == 0
+        r.script_flush()
+        assert bounded(g.step_metrics)["agentic_kv/budget/degraded"] == 0.0
+        assert _ledger_consistent(r, g) == 0
+        assert _total(r, g, "bypass_degraded") == 0
+    finally:
+        g.close()
+
+
+def test_script_flush_async_gate(fresh_redis):
+    r = fresh_redis.client()
+
+    async def main():
+        g = kvgate.AsyncGate.from_url(fresh_redis.url, gate="flush", config=_cfg())
+        try:
+            r.script_flush()
+            await g.write_snapshot(_engines())
+            r.script_flush()
+            a = await asyncio.wait_for(g.acquire("a", prompt_tokens=HOLD, max_new_tokens=0), HANG_S)
+            assert (a.outcome, a.reason) == ("admit", "open")
+            r.script_flush()
+            with pytest.raises(kvgate.AdmissionTimeout):
+                await asyncio.wait_for(g.acquire("b", prompt_tokens=WAIT, max_new_tokens=0, timeout_s=0.3), HANG_S)
+            r.script_flush()
+            assert await a.release() is True
+            r.script_flush()
+            async with g.turn("c", prompt_tokens=WAIT, max_new_tokens=0) as c:
+                assert (c.outcome, c.reason) == ("admit", "open")
+                assert _ledger_consistent(r, g) == WAIT
+            assert _ledger_consistent(r, g) == 0
+            assert _total(r, g, "bypass_degraded") == 0
+        finally:
+            await g.aclose()
+
+    asyncio.run(main())
+
+
+# -- Redis restart on the same port ------------------------------------------------------------
+@pytest.mark.parametrize("flavor", ["sync", "async"])
+def test_redis_restart_same_port_recovers_from_new_snapshots(fresh_redis, flavor):
+    port = fresh_redis.port
+    restarted = None
+
+    def restart():
+        nonlocal restarted
+        fresh_redis.stop(signal.SIGKILL)
+        restarted = start_redis(port)
+        return restarted.client()
+
+    def check_after(r, g, new_ticket_need):
+        # the new Redis knows only what happened since the restart
+        assert _ledger_consistent(r, g) == new_ticket_need
+        assert _total(r, g, "ledger_clamped") == 0
+
+    try:
+        if flavor == "sync":
+            g = kvgate.Gate.from_url(fresh_redis.url, gate="restart", config=_cfg())
+            try:
+                g.write_snapshot(_engines())
+                old = bounded(g.acquire, "old", prompt_tokens=HOLD, max_new_tokens=0)
+                assert old.outcome == "admit"
+                r = restart()
+                # no snapshot in the new Redis (or the breaker is open): degraded, not stuck
+                lease = bounded(g.acquire, "x", prompt_tokens=10, max_new_tokens=0)
+                assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+                time.sleep(BREAKER_S + 0.1)
+                lease = bounded(g.acquire, "x", prompt_tokens=10, max_new_tokens=0)
+                assert (lease.outcome, lease.reason) == ("bypass", "degraded")   # still no snapshot
+                wait_until(lambda: _try(g.write_snapshot, _engines()), what="a snapshot write after restart")
+                new = bounded(g.acquire, "new", prompt_tokens=WAIT, max_new_tokens=0)
+                assert (new.outcome, new.reason) == ("admit", "open")
+                assert bounded(old.release) is False     # unknown to the new Redis: nothing given back
+                check_after(r, g, WAIT)
+                assert bounded(new.release) is True
+                check_after(r, g, 0)
+            finally:
+                g.close()
+        else:
+            async def main():
+                g = kvgate.AsyncGate.from_url(fresh_redis.url, gate="restart", config=_cfg())
+                try:
+                    await g.write_snapshot(_engines())
+                    old = await asyncio.wait_for(g.acquire("old", prompt_tokens=HOLD, max_new_tokens=0), HANG_S)
+                    assert old.outcome == "admit"
+                    r = restart()
+                    lease = await asyncio.wait_for(g.acquire("x", prompt_tokens=10, max_new_tokens=0), HANG_S)
+                    assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+                    await asyncio.sleep(BREAKER_S + 0.1)
+                    for _ in range(100):
+                        try:
+                            await asyncio.wait_for(g.write_snapshot(_engines()), HANG_S)
+                            break
+                        except redis.RedisError:
+                            await asyncio.sleep(0.05)
+                    new = await asyncio.wait_for(g.acquire("new", prompt_tokens=WAIT, max_new_tokens=0), HANG_S)
+                    assert (new.outcome, new.reason) == ("admit", "open")
+                    assert await asyncio.wait_for(old.release(), HANG_S) is False
+                    check_after(r, g, WAIT)
+                    assert await new.release() is True
+                    check_after(r, g, 0)
+                finally:
+                    await g.aclose()
+
+            asyncio.run(main())
+    finally:
+        if restarted is not None:
+            restarted.stop(signal.SIGKILL)
+
+
+def _try(fn, *a):
+    try:
+        fn(*a)
+        return True
+    except redis.RedisError:
+        return False
+
+
+# -- CLIENT PAUSE -----------------------------------------------------------------------------
+def test_client_pause_degrades_within_redis_timeout(fresh_redis):
+    cfg = _cfg(redis_timeout_s=0.3)
+    g = kvgate.Gate.from_url(fresh_redis.url, gate="pause", config=cfg)
+    try:
+        g.write_snapshot(_engines())
+        assert bounded(g.acquire, "warm", prompt_tokens=10, max_new_tokens=0).outcome == "admit"
+        fresh_redis.client().execute_command("CLIENT", "PAUSE", "2000", "ALL")
+        t0 = time.monotonic()
+        # bound: one command timeout (redis-py may retry it) well inside the 2 s pause
+        lease = bounded(g.acquire, "paused", prompt_tokens=10, max_new_tokens=0, timeout=1.8)
+        assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+        # while the breaker is open, turns degrade at once
+        lease = bounded(g.acquire, "paused2", prompt_tokens=10, max_new_tokens=0, timeout=1.8)
+        assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+        time.sleep(max(0.0, 2.2 - (time.monotonic() - t0)) + BREAKER_S)
+        lease = bounded(g.acquire, "resumed", prompt_tokens=10, max_new_tokens=0)
+        assert (lease.outcome, lease.reason) == ("admit", "open")
+        lease.release()
+    finally:
+        g.close()
+
+
+def test_client_pause_async_gate(fresh_redis):
+    async def main():
+        g = kvgate.AsyncGate.from_url(fresh_redis.url, gate="pause", config=_cfg(redis_timeout_s=0.3))
+        try:
+            await g.write_snapshot(_engines())
+            fresh_redis.client().execute_command("CLIENT", "PAUSE", "2000", "ALL")
+            t0 = time.monotonic()
+            lease = await asyncio.wait_for(g.acquire("paused", prompt_tokens=10, max_new_tokens=0), 1.8)
+            assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+            await asyncio.sleep(max(0.0, 2.2 - (time.monotonic() - t0)) + BREAKER_S)
+            lease = await asyncio.wait_for(g.acquire("resumed", prompt_tokens=10, max_new_tokens=0), HANG_S)
+            assert (lease.outcome, lease.reason) == ("admit", "open")
+            await lease.release()
+        finally:
+            await asyncio.wait_for(g.aclose(), HANG_S)
+
+    asyncio.run(main())
+
+
+# -- client processes killed with SIGKILL --------------------------------------------------------
+_CHILD = r"""
+import sys, time, kvgate
+url, mode, cfg = sys.argv[1], sys.argv[2], kvgate.GateConfig(**__import__("json").loads(sys.argv[3]))
+g = kvgate.Gate.from_url(url, gate="chaos", config=cfg)
+if mode == "hold":
+    lease = g.acquire("child", prompt_tokens=%d, max_new_tokens=0)
+    print("admitted", lease.outcome, lease.ticket, flush=True)
+    time.sleep(120)
+else:
+    print("waiting", flush=True)
+    g.acquire("child", prompt_tokens=%d, max_new_tokens=0)
+    print("done", flush=True)
+    time.sleep(120)
+""" % (HOLD, WAIT)
+
+
+def _child(url: str, mode: str, cfg_kw: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _CHILD, url, mode, json.dumps(cfg_kw)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _kill(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=HANG_S)
+
+
+@pytest.mark.parametrize("free_before_liveness", [False, True])
+def test_dead_waiter_never_blocks_the_head(fresh_redis, free_before_liveness):
+    """A waiting process killed with SIGKILL: its waiter is dropped after its liveness
+    deadline (or, if the head was granted to it meanwhile, the unclaimed grant expires at
+    its claim deadline) and the next waiter is granted."""
+    kw = dict(redis_timeout_s=1.0, wait_poll_s=0.3, max_wait_s=30.0, staleness_s=60.0, idle_grace_s=0.0)
+    cfg = kvgate.GateConfig(**kw)
+    g = kvgate.Gate.from_url(fresh_redis.url, gate="chaos", config=cfg)
+    r = fresh_redis.client(decode_responses=True)
+    child = None
+    ex = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        g.write_snapshot(_engines())
+        holder = g.acquire("holder", prompt_tokens=HOLD, max_new_tokens=0)
+        assert holder.outcome == "admit"
+        child = _child(fresh_redis.url, "wait", kw)
+        dead = wait_until(lambda: r.zrange(g.key("fifo"), 0, 0), what="the child to enqueue")[0]
+        nxt = ex.submit(g.acquire, "next", prompt_tokens=WAIT, max_new_tokens=0)
+        wait_until(lambda: r.zcard(g.key("fifo")) == 2, what="the second waiter to enqueue")
+        _kill(child)
+        if free_before_liveness:
+            assert holder.release() is True        # the head (the dead child) fits now: granted to it
+            assert json.loads(r.hget(g.key("leases"), dead))["c"] == 1
+        else:
+            # the live waiter's own re-checks reap the dead one after its liveness deadline
+            wait_until(lambda: not r.hexists(g.key("waiters"), dead), timeout=HANG_S,
+                       what="the dead waiter to be dropped")
+            assert _total(r, g, "dead_waiter") == 1
+            assert r.zrange(g.key("fifo"), 0, -1) != [dead]
+            assert holder.release() is True
+        lease = nxt.result(timeout=HANG_S + cfg.max_wait_s)
+        assert (lease.outcome, lease.reason) == ("admit", "open"), lease
+        assert not r.hexists(g.key("leases"), dead)
+        if free_before_liveness:
+            assert _total(r, g, "lease_expired") == 1   # the dead child's grant, never claimed
+        assert _ledger_consistent(r, g) == WAIT
+        lease.release()
+        assert _ledger_consistent(r, g) == 0
+    finally:
+        if child is not None:
+            _kill(child)
+        ex.shutdown(wait=False)
+        g.close()
+
+
+def test_dead_holder_lease_reclaimed_by_ttl(fresh_redis):
+    kw = dict(redis_timeout_s=1.0, wait_poll_s=0.2, max_wait_s=30.0, staleness_s=60.0, lease_ttl_s=1.0)
+    cfg = kvgate.GateConfig(**kw)
+    g = kvgate.Gate.from_url(fresh_redis.url, gate="chaos", config=cfg)
+    r = fresh_redis.client(decode_responses=True)
+    child = _child(fresh_redis.url, "hold", kw)
+    try:
+        g.write_snapshot(_engines())
+        line = bounded(child.stdout.readline)
+        assert line.startswith("admitted admit"), (line, child.stderr.read() if child.poll() is not None else "")
+        ticket = line.split()[2]
+        assert r.hexists(g.key("leases"), ticket)
+        _kill(child)
+        # a turn that does not fit waits until the TTL reclaims the dead holder's lease
+        lease = bounded(g.acquire, "next", prompt_tokens=WAIT, max_new_tokens=0, timeout=HANG_S + 5)
+        assert (lease.outcome, lease.reason) == ("admit", "open")
+        assert not r.hexists(g.key("leases"), ticket)
+        assert _total(r, g, "lease_expired") == 1
+        assert _ledger_consistent(r, g) == WAIT
+        lease.release()
+        assert _ledger_consistent(r, g) == 0
+    finally:
+        _kill(child)
+        g.close()
+
+
+# -- asyncio cancellation ----------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["task.cancel", "wait_for"])
+def test_async_cancel_removes_waiter_atomically(fresh_redis, how):
+    r = fresh_redis.client(decode_responses=True)
+
+    async def main():
+        g = kvgate.AsyncGate.from_url(fresh_redis.url, gate="cancel", config=_cfg())
+        try:
+            await g.write_snapshot(_engines())
+            holder = await g.acquire("holder", prompt_tokens=HOLD, max_new_tokens=0)
+            assert holder.outcome == "admit"
+            if how == "task.cancel":
+                t = asyncio.ensure_future(g.acquire("w", prompt_tokens=WAIT, max_new_tokens=0))
+                for _ in range(500):
+                    if r.zcard(g.key("fifo")) == 1:
+                        break
+                    await asyncio.sleep(0.01)
+                assert r.zcard(g.key("fifo")) == 1
+                t.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await asyncio.wait_for(t, HANG_S)
+            else:
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(g.acquire("w", prompt_tokens=WAIT, max_new_tokens=0), 0.5)
+            assert r.zcard(g.key("fifo")) == 0 and r.hlen(g.key("waiters")) == 0
+            assert _total(r, g, "cancelled") == 1
+            assert _ledger_consistent(r, g) == HOLD
+            await holder.release()
+            assert _ledger_consistent(r, g) == 0
+        finally:
+            await g.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_cancel_racing_grant_never_leaks(fresh_redis):
+    """Release the holder (which grants the waiter) and cancel the waiter at the same moment,
+    many times, with the release from this loop or from another connection in a thread."""
+    r = fresh_redis.client(decode_responses=True)
+    rounds = 80
+    seen = {"cancelled": 0, "admitted": 0, "grant_given_back": 0}
+
+    class CountingGate(kvgate.AsyncGate):
+        async def _eval(self, name, params):
+            out = await super()._eval(name, params)
+            if name == "cancel" and out.get("removed") == "lease":
+                seen["grant_given_back"] += 1
+            return out
+
+    async def main():
+        g = CountingGate.from_url(fresh_redis.url, gate="race", config=_cfg())
+        other = kvgate.Gate.from_url(fresh_redis.url, gate="race", config=_cfg())
+        rng = random.Random(7)
+        try:
+            await g.write_snapshot(_engines())
+            for i in range(rounds):
+                holder = await g.acquire(f"h{i}", prompt_tokens=HOLD, max_new_tokens=0, retain_session=False)
+                assert holder.outcome == "admit"
+                w = asyncio.ensure_future(g.acquire(f"w{i}", prompt_tokens=WAIT, max_new_tokens=0))
+                for _ in range(500):
+                    if r.zcard(g.key("fifo")) == 1:
+                        break
+                    await asyncio.sleep(0.005)
+                assert r.zcard(g.key("fifo")) == 1
+                delay = rng.choice([0.0, 0.0, 0.0005, 0.001, 0.002, 0.004])
+                if i % 2:
+                    rel = asyncio.ensure_future(holder.release())
+                else:
+                    rel = asyncio.ensure_future(asyncio.to_thread(other._release, holder.ticket, 0.0, None))
+                    holder.released = True
+                if delay:
+                    await asyncio.sleep(delay)
+                w.cancel()
+                try:
+                    lease = await asyncio.wait_for(w, HANG_S)
+                except asyncio.CancelledError:
+                    seen["cancelled"] += 1
+                else:
+                    seen["admitted"] += 1
+                    await lease.release()
+                await asyncio.wait_for(rel, HANG_S)
+                # nothing leaked: no lease, no waiter, a ledger of 0
+                assert r.hlen(g.key("leases")) == 0, r.hgetall(g.key("leases"))
+                assert r.zcard(g.key("fifo")) == 0 and r.hlen(g.key("waiters")) == 0
+                assert _ledger_consistent(r, g) == 0
+        finally:
+            other.close()
+            await g.aclose()
+
+    asyncio.run(main())
+    assert seen["cancelled"] + seen["admitted"] == rounds
+    print(f"\nrace outcomes: {seen}")
