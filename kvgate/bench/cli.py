@@ -167,12 +167,10 @@ def base_gate_config(args: argparse.Namespace) -> Any:
     import kvgate
 
     _, from_args = _knob_hooks()
-    cfg = None
-    if from_args is not None:
-        with contextlib.suppress(Exception):
-            cfg = from_args(args)
-    if cfg is None:
-        cfg = kvgate.GateConfig()
+    if from_args is not None and any(k.startswith("knob_") for k in vars(args)):
+        cfg = from_args(args)  # defaults < KVGATE_* environment < knob flags; ValueError on bad input
+    else:
+        cfg = kvgate.GateConfig.from_env()
     kw = {}
     for item in args.knob:
         name, sep, val = item.partition("=")
