@@ -52,7 +52,7 @@ SCENARIOS: dict[str, Scenario] = {
     "default": Scenario(
         description="KV pressure: the sessions' final contexts add up to ~3.5x the KV pool",
         profile="gpu-h100-30b", sessions=40, turns="16-32", first_prompt="1500-2500",
-        tool_result="100-400", output="30-120", time_scale=0.015),
+        tool_result="100-400", output="30-120", time_scale=0.02),
     # Same session shapes, few enough that every context stays resident.
     "no-pressure": Scenario(
         description="no KV pressure: every session's context fits in the pool at once",
