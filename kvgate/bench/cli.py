@@ -289,7 +289,13 @@ class RealEnv(EngineEnv):
             if all((u["usage"] or 0.0) == 0.0 for u in us):
                 break
             await asyncio.sleep(0.5)
-        self.reset_ok.append(await client.reset_prefix_cache())
+        ok = await client.reset_prefix_cache()
+        self.reset_ok.append(ok)
+        if not ok:
+            import warnings
+
+            warnings.warn(f"could not flush the prefix cache of {self.urls} (vLLM needs VLLM_SERVER_DEV_MODE=1); "
+                          "policies after the first start warm", RuntimeWarning, stacklevel=2)
         try:
             yield client
         finally:
@@ -414,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.monotonic() - t_start
 
     summary = summarize(results, workload)
-    render_table(summary, console, scenario=args.scenario)
+    render_table(summary, console, scenario=f"trace {args.trace}" if args.trace else args.scenario)
     verdicts = checks(summary, "no-pressure" if args.scenario == "no-pressure" else "pressure") \
         if not args.trace and not args.engine and args.scenario in ("default", "no-pressure") else []
     for name, ok, detail in verdicts:

@@ -173,12 +173,15 @@ class EngineClient:
 
         return list(await asyncio.gather(*(one(u) for u in self.engine_urls)))
 
+    reset_path = "/reset_prefix_cache"
+
     async def reset_prefix_cache(self) -> bool:
-        """Best effort ``POST /reset_prefix_cache`` on every engine (flush between policies)."""
+        """Best effort prefix-cache flush on every engine between policies (vLLM
+        ``POST /reset_prefix_cache``, SGLang ``POST /flush_cache``); False if any failed."""
         ok = True
         for u in self.engine_urls:
             try:
-                r = await self.http.post(u + "/reset_prefix_cache", timeout=30.0)
+                r = await self.http.post(u + self.reset_path, timeout=30.0)
                 ok = ok and r.status_code < 400
             except httpx.HTTPError:
                 ok = False
@@ -188,6 +191,7 @@ class EngineClient:
 class SGLangClient(EngineClient):
     kind = "sglang"
     counter_names = SGLANG_COUNTERS
+    reset_path = "/flush_cache"
 
     async def generate(self, session_id: str, prompt_ids: list[int], max_new_tokens: int) -> GenResult:
         url = _pick(self.generate_urls, session_id)

@@ -30,7 +30,7 @@ def summarize(results: Sequence[PolicyResult], workload: Workload) -> dict:
     for r in results:
         lat = [t.latency_s for t in r.turns]
         late = [t.latency_s for t in r.turns
-                if t.turn >= math.ceil(2 * n_turns_sess.get(t.session, 1) / 3)]
+                if t.turn >= (2 * n_turns_sess.get(t.session, 1)) // 3]
         by_idx: dict[int, list[float]] = defaultdict(list)
         for t in r.turns:
             by_idx[t.turn].append(t.latency_s)

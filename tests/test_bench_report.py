@@ -1,0 +1,56 @@
+"""Report maths: ratios, best cap, hit rate source, late turns, checks; JSON and plots written."""
+from __future__ import annotations
+
+import json
+
+from kvgate.bench.engines import Counters
+from kvgate.bench.report import checks, summarize, write_json, write_plots
+from kvgate.bench.runner import Policy, PolicyResult, TurnRecord
+from kvgate.bench.workload import IntRange, WorkloadSpec, generate
+
+
+def _result(policy, wall, hits, queries, lat=0.1, reasons=()):
+    turns = [TurnRecord(session="s0-0", turn=i, ready_s=i, start_s=i, done_s=i + lat * (i + 1),
+                        prompt_tokens=100, cached_tokens=50, output_tokens=5,
+                        outcome="admit" if reasons else "", reason=reasons[i % len(reasons)] if reasons else "")
+             for i in range(3)]
+    return PolicyResult(policy=policy, wall_s=wall, turns=turns, counters=Counters(hits, queries),
+                        samples=[(1.0, hits / 2, queries / 2), (2.0, hits, queries)], usage_samples=[(1.0, 0.5)],
+                        step_metrics={"agentic_kv/admission/preempted": 2.0} if reasons else {})
+
+
+def _workload():
+    return generate(WorkloadSpec(sessions=1, turns=IntRange(3, 3), first_prompt=IntRange(10, 10),
+                                 tool_result=IntRange(5, 5), output=IntRange(5, 5)), seed=0)
+
+
+def test_summary_ratios_best_cap_and_checks(tmp_path):
+    res = [_result(Policy("none", "none"), 10.0, 20, 100),
+           _result(Policy("cap-2", "cap", cap=2), 7.0, 90, 100),
+           _result(Policy("cap-4", "cap", cap=4), 6.0, 80, 100),
+           _result(Policy("kvgate", "gate", admission=True, residency=True), 5.5, 95, 100, reasons=("open",))]
+    s = summarize(res, _workload())
+    rows = {r["policy"]: r for r in s["policies"]}
+    assert s["best_cap"] == "cap-4" and rows["cap-4"]["best_cap"] and not rows["cap-2"]["best_cap"]
+    assert rows["kvgate"]["ratio_to_none"] == 0.55
+    assert rows["kvgate"]["hit_rate"] == 0.95 and rows["kvgate"]["hit_rate_source"] == "engine /metrics"
+    assert rows["kvgate"]["uncached_tokens"] == 5
+    assert rows["kvgate"]["admissions"] == {"admit/open": 3}
+    assert rows["kvgate"]["gate_preemptions"] == 2.0
+    assert rows["none"]["late_latency_p50_s"] is not None  # turn 2 of 3 is a late turn
+    assert rows["none"]["hit_rate_over_time"] == [(1.0, 0.2), (2.0, 0.2)]
+    got = {name: ok for name, ok, _ in checks(s, "pressure")}
+    assert got == {"kvgate wall-clock <= 0.6x no gate": True, "kvgate beats the best fixed cap (cap-4)": True,
+                   "kvgate prefix-cache hit rate >= 0.9": True}
+    assert [ok for _, ok, _ in checks(s, "no-pressure")] == [True]  # 0.55x <= 1.05x
+    write_json(s, tmp_path / "b.json", {"scenario": "x"})
+    assert json.loads((tmp_path / "b.json").read_text())["scenario"] == "x"
+    for p in write_plots(s, tmp_path):
+        assert p.stat().st_size > 1000
+
+
+def test_hit_rate_falls_back_to_responses_when_counters_fail():
+    r = _result(Policy("none", "none"), 1.0, 0, 0)
+    r.counters = Counters(ok=False)
+    row = summarize([r], _workload())["policies"][0]
+    assert row["hit_rate_source"] == "responses (cached_tokens)" and row["hit_rate"] == 0.5
