@@ -100,28 +100,31 @@ class GateBase:
             self._local.clear()
         return build_step_metrics(raw, self.config, local)
 
-    def _status(self, ledger: dict, snap: dict, fifo_n: int, leases_n: int, windows_n: int,
-                head: list, totals: dict, now_ms: int) -> dict:
-        def dec(d: dict) -> dict:
-            return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-                    for k, v in d.items()}
-        ledger, snap, totals = dec(ledger), dec(snap), dec(totals)
-        cap = int(snap.get("capacity", 0) or 0)
+    def _status(self, raw: dict, engines_json: Any, head: list, totals: dict) -> dict:
+        """Digest drain_stats.lua's reply (read with drain=0, Redis clock) and a few reads."""
+        def txt(v: Any) -> Any:
+            return v.decode() if isinstance(v, bytes) else v
+        cap = int(raw.get("capacity", 0) or 0)
         ceiling = int(cap * self.config.headroom)
-        reserved = int(ledger.get("reserved", 0) or 0)
-        ts = snap.get("ts_ms")
-        age = (now_ms - int(ts)) / 1000.0 if ts else None
-        engines = json.loads(snap["engines"]) if snap.get("engines") and snap["engines"] != "{}" else []
-        fresh = age is not None and age <= self.config.staleness_s and int(snap.get("n_healthy", 0) or 0) > 0
+        reserved = int(raw.get("reserved", 0) or 0)
+        age_ms = float(raw.get("snapshot_age_ms", -1))
+        age = age_ms / 1000.0 if age_ms >= 0 else None
+        try:
+            engines = json.loads(txt(engines_json)) if engines_json else []
+        except ValueError:
+            engines = []
+        if not isinstance(engines, list):
+            engines = []
+        fresh = age is not None and age <= self.config.staleness_s and int(raw.get("n_healthy", 0) or 0) > 0
+        hit = float(raw.get("hit_rate", -1))
         return {
             "gate": self.name, "reserved": reserved, "ceiling": ceiling, "capacity": cap,
-            "available": max(0, ceiling - reserved), "usage": float(snap.get("usage", 0) or 0),
-            "epoch": int(ledger.get("epoch", 0) or 0), "waiting": fifo_n, "leases": leases_n,
-            "windows": windows_n, "snapshot_age_s": age, "degraded": not fresh,
-            "hit_rate": float(snap["hit_rate"]) if snap.get("hit_rate") not in (None, "-1") else None,
-            "engines": engines,
-            "fifo_head": [(t.decode() if isinstance(t, bytes) else t) for t, _ in head],
-            "totals": {k: float(v) for k, v in totals.items()},
+            "available": max(0, ceiling - reserved), "usage": float(raw.get("usage", 0) or 0),
+            "epoch": int(raw.get("epoch", 0) or 0), "waiting": int(raw.get("waiting", 0)),
+            "leases": int(raw.get("leases", 0)), "windows": int(raw.get("windows", 0)),
+            "snapshot_age_s": age, "degraded": not fresh, "hit_rate": hit if hit >= 0 else None,
+            "engines": engines, "fifo_head": [txt(t) for t, _ in head],
+            "totals": {txt(k): float(v) for k, v in totals.items()},
         }
 
 

@@ -379,18 +379,16 @@ class Gate(GateBase):
 
     # -- inspection -------------------------------------------------------------------------
     def status(self) -> dict:
+        """The gate's state for operators: ledger, ceiling, usage, epoch, FIFO, leases,
+        windows, snapshot age (by the Redis clock), engines and cumulative counters.
+        Raises redis errors as they are (an operator wants to see them)."""
+        raw = self._decode(self._scripts["drain_stats"](keys=self._keys, args=self._args({"drain": 0})))
         p = self.redis.pipeline(transaction=False)
-        p.hgetall(self.key("ledger"))
-        p.hgetall(self.key("snapshot"))
-        p.zcard(self.key("fifo"))
-        p.zcard(self.key("lease_exp"))
-        p.hlen(self.key("windows"))
+        p.hget(self.key("snapshot"), "engines")
         p.zrange(self.key("fifo"), 0, 9, withscores=True)
         p.hgetall(self.key("totals"))
-        p.time()
-        ledger, snap, fifo_n, leases_n, win_n, head, totals, t = p.execute()
-        now_ms = int(self._clock_ms()) if self._clock_ms else int(t[0]) * 1000 + int(t[1]) // 1000
-        return self._status(ledger, snap, fifo_n, leases_n, win_n, head, totals, now_ms)
+        engines, head, totals = p.execute()
+        return self._status(raw, engines, head, totals)
 
     def step_metrics(self, drain: bool = True) -> dict[str, float]:
         try:

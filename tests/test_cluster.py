@@ -191,7 +191,6 @@ def test_async_gate_on_the_cluster(redis_cluster, cluster_client):
     asyncio.run(main())
 
 
-@pytest.mark.xfail(strict=True, reason="BUG-INV-2: Gate.status() pipelines TIME, which RedisCluster pipelines refuse")
 def test_status_on_the_cluster(cluster_client):
     g = kvgate.Gate(cluster_client, gate="cl-status", config=_cfg())
     try:
@@ -204,7 +203,6 @@ def test_status_on_the_cluster(cluster_client):
         g._listener.close()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG-INV-2: AsyncGate.status() pipelines TIME, which cluster pipelines refuse")
 def test_async_status_on_the_cluster(redis_cluster):
     async def main():
         g = kvgate.AsyncGate.from_url(f"redis://127.0.0.1:{redis_cluster[0].port}/0", gate="cl-astatus",
