@@ -383,6 +383,13 @@ class GateMachine(RuleBasedStateMachine):
             self.call("housekeep", limit=100)
         self.acquire(ticket, -1 if self.has_probe else -2)
 
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data(), ms=st.integers(200, 1500))
+    def poll_cycle(self, data, ms):
+        """A waiter's poll: time passes, then it re-checks (reaches aging at max_wait_s)."""
+        self.advance_time(ms)
+        self.recheck_waiting(data)
+
     @precondition(lambda self: self.probing)
     @rule(data=st.data(), ratio=st.one_of(st.just(-2.0), st.floats(0.0, 1.0)))
     def answer_probe(self, data, ratio):
