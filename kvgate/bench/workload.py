@@ -217,11 +217,11 @@ class Workload:
 class WorkloadSpec:
     """Parameters of the synthetic generator (see docs/benchmarks.md for the sources)."""
 
-    sessions: int = 64
-    turns: IntRange = IntRange(20, 40)
+    sessions: int = 40
+    turns: IntRange = IntRange(16, 32)
     first_prompt: IntRange = IntRange(1500, 2500)
-    tool_result: IntRange = IntRange(100, 500)
-    output: IntRange = IntRange(50, 150)
+    tool_result: IntRange = IntRange(100, 400)
+    output: IntRange = IntRange(30, 120)
     tool: ToolLatency = ToolLatency()
     arrival_spread_s: float = 0.0
     vocab: int = VOCAB_DEFAULT
