@@ -527,3 +527,43 @@ def test_async_cancel_racing_grant_never_leaks(fresh_redis):
     asyncio.run(main())
     assert seen["cancelled"] + seen["admitted"] == rounds
     print(f"\nrace outcomes: {seen}")
+
+
+def test_sync_abort_racing_grant_never_leaks(fresh_redis):
+    """The sync gate's abort_event set at the moment the holder's release grants the waiter."""
+    r = fresh_redis.client(decode_responses=True)
+    g = kvgate.Gate.from_url(fresh_redis.url, gate="srace", config=_cfg())
+    rng = random.Random(11)
+    seen = {"aborted": 0, "admitted": 0}
+    ex = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        g.write_snapshot(_engines())
+        for i in range(40):
+            holder = g.acquire(f"h{i}", prompt_tokens=HOLD, max_new_tokens=0, retain_session=False)
+            assert holder.outcome == "admit"
+            abort = threading.Event()
+            fut = ex.submit(g.acquire, f"w{i}", prompt_tokens=WAIT, max_new_tokens=0, abort_event=abort)
+            wait_until(lambda: r.zcard(g.key("fifo")) == 1, what="the waiter to enqueue")
+            if rng.random() < 0.5:
+                abort.set()
+                holder.release()
+            else:
+                holder.release()
+                time.sleep(rng.choice([0.0, 0.001, 0.003]))
+                abort.set()
+            done, _ = concurrent.futures.wait([fut], timeout=HANG_S)
+            assert done, "an aborted waiter hung"
+            try:
+                lease = fut.result()
+            except kvgate.AdmissionCancelled:
+                seen["aborted"] += 1
+            else:
+                seen["admitted"] += 1
+                lease.release()
+            assert r.hlen(g.key("leases")) == 0, r.hgetall(g.key("leases"))
+            assert r.zcard(g.key("fifo")) == 0 and r.hlen(g.key("waiters")) == 0
+            assert _ledger_consistent(r, g) == 0
+    finally:
+        ex.shutdown(wait=False)
+        g.close()
+    print(f"\nsync race outcomes: {seen}")
