@@ -372,6 +372,10 @@ def test_many_processes_one_gate(redis_url, tmp_path):
         assert any(o == "Preempted" for o, _ in outcomes), "no retry preempted a waiting attempt"
         assert any(o in ("AdmissionTimeout", "TimeoutError") for o, _ in outcomes), "no caller timeout"
         assert totals.get("cancelled", 0) > 0
+        # every preempted attempt that noticed was preempted once, and counted
+        pre = [x["ticket"] for x in records if x.get("exc") == "Preempted" and x.get("reason") == "preempted"]
+        assert len(pre) == len(set(pre)) and len(pre) <= totals.get("preempted", 0)
+        assert not set(pre) & set(admitted)
         assert totals.get("session_finished", 0) == N_PROCS * SESSIONS_PER_PROC
         counts: dict = {}
         for o in outcomes:

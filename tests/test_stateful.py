@@ -464,6 +464,14 @@ class GateMachine(RuleBasedStateMachine):
     def housekeep(self, limit):
         self.call("housekeep", limit=limit)
 
+    @rule(drain=st.booleans())
+    def drain_stats(self, drain):
+        out = self.call("drain_stats", drain=1 if drain else 0)
+        s = self.state
+        assert out["reserved"] == s.reserved and out["epoch"] == s.epoch
+        assert out["leases"] == len(s.leases) and out["waiting"] == len(s.fifo)
+        assert out["windows"] == len(s.windows)
+
     @rule()
     def bump_epoch(self):
         pre = self.state
@@ -475,7 +483,7 @@ def test_gate_state_machine(redis_url):
     GateMachine.URL = redis_url
     phases = [Phase.explicit, Phase.generate] if os.environ.get("KVGATE_STATEFUL_NO_SHRINK") else list(Phase)
     run_state_machine_as_test(GateMachine, settings=settings(
-        max_examples=int(os.environ.get("KVGATE_STATEFUL_EXAMPLES", "60")), stateful_step_count=40,
+        max_examples=int(os.environ.get("KVGATE_STATEFUL_EXAMPLES", "150")), stateful_step_count=40,
         deadline=None, print_blob=True, phases=phases,
         database=(DirectoryBasedExampleDatabase(os.environ["KVGATE_STATEFUL_DB"])
                   if os.environ.get("KVGATE_STATEFUL_DB") else None),
