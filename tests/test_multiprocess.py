@@ -348,15 +348,22 @@ def test_many_processes_one_gate(redis_url, tmp_path):
         assert r.hlen(g.key("windows")) == 0 and r.zcard(g.key("fifo")) == 0
         assert r.hlen(g.key("waiters")) == 0 and r.zcard(g.key("alive")) == 0
         assert totals.get("ledger_clamped", 0) == 0
-        assert totals.get("lease_expired", 0) == 0, "a lease had to be reclaimed by TTL in a healthy run"
+        # no holder dies here and the TTL is long: the only leases that may expire are FIFO
+        # grants whose waiter did not claim them within the claim deadline, which needs a
+        # process stalled that long
+        expired = int(totals.get("lease_expired", 0))
+        claim_s = 2 * WAIT_POLL_S + 1.0
+        if max(stalls.values()) < claim_s:
+            assert expired == 0, f"{expired} leases reclaimed in a run without stalls"
 
-        # no ticket admitted twice; every grant either admitted once or given back by a cancel
+        # no ticket admitted twice; every grant was admitted once, given back by a racing
+        # cancel, or reclaimed unclaimed
         admitted = [x["ticket"] for x in records if x.get("outcome") == "admit"]
         assert len(admitted) == len(set(admitted)), "a ticket was admitted twice"
         assert len(revoked) == len(set(revoked))
         assert not set(admitted) & set(revoked)
-        assert int(totals.get("admit", 0)) == len(admitted) + len(revoked), (totals.get("admit"), len(admitted),
-                                                                             len(revoked))
+        assert int(totals.get("admit", 0)) == len(admitted) + len(revoked) + expired, (
+            totals.get("admit"), len(admitted), len(revoked), expired)
 
         # no waiter waited past max_wait_s plus one poll (plus scheduler slack)
         # (the process's measured scheduling / Redis stall added, see SLACK_S)
@@ -382,7 +389,7 @@ def test_many_processes_one_gate(redis_url, tmp_path):
             counts[o] = counts.get(o, 0) + 1
         print(f"\n{len(records)} acquires in {elapsed:.1f}s; slowest {durs[-1]:.2f}s; "
               f"worst measured stall {max(stalls.values()):.2f}s; "
-              f"revoked grants {len(revoked)}; outcomes {sorted(counts.items(), key=str)}")
+              f"revoked grants {len(revoked)}; expired grants {expired}; outcomes {sorted(counts.items(), key=str)}")
     finally:
         g.close()
         r.close()
