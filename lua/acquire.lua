@@ -19,13 +19,23 @@
 
 local ticket, session, need = P.ticket, P.session, math.floor(num(P.need, 0))
 
+-- the FIFO place of a superseded attempt passes to the attempt that superseded it only while
+-- that attempt is undecided (across its probe round trip); any decision consumes it
+local inherited = nil
+
 local function out(o, r, extra)
+  if inherited ~= nil and o ~= "probe" then
+    local ow = jget(K.waiters, inherited)
+    if ow and ow.q then
+      ow.q = nil
+      jset(K.waiters, inherited, ow)
+    end
+    inherited = nil
+  end
   local res = { o = o, r = r, ep = epoch() }
   if extra then for k, v in pairs(extra) do res[k] = v end end
   return cjson.encode(res)
 end
-
-reap(num(P.reap, 8))
 
 -- rule 4 first: a ticket that holds a lease gets the same lease, charged once (this also
 -- claims a lease granted to it from the FIFO while it waited)
@@ -44,6 +54,11 @@ if w and w.st ~= "w" then
   drop_waiter(ticket, w)
   return out("preempted", w.st == "f" and "session_finished" or "preempted")
 end
+
+-- bounded reclaim, after this ticket's own lease was looked up: a grant still in the hash is
+-- claimable by its ticket even at its claim deadline
+reap(num(P.reap, 8))
+if w and not jget(K.waiters, ticket) then w = nil end
 
 -- rule 2: protected work never waits
 if P.protected == 1 then
@@ -76,7 +91,10 @@ if not w then
       publish("p " .. old)
     end
     -- inherit the superseded attempt's FIFO place (also after a probe round trip)
-    if ow and ow.q then seq = ow.q end
+    if ow and ow.q then
+      seq = ow.q
+      inherited = old
+    end
   end
 end
 

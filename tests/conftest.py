@@ -113,6 +113,8 @@ def redis_cluster():
     try:
         for _ in range(3):
             port = free_port()
+            while port > 55535:  # the cluster bus listens on port + 10000
+                port = free_port()
             nodes.append(start_redis(port, "--cluster-enabled", "yes", "--cluster-config-file",
                                      f"nodes-{port}.conf", "--cluster-node-timeout", "2000"))
         addrs = [f"127.0.0.1:{n.port}" for n in nodes]
