@@ -45,16 +45,6 @@ SESSIONS = [f"s{i}" for i in range(4)]
 ENGINE_IDS = ["http://127.0.0.1:9101", "http://127.0.0.1:9102", "http://127.0.0.1:9103"]
 T0 = 1_700_000_000_000
 OUTCOMES: Counter = Counter()   # what the runs reached (printed with -s)
-# While BUG-INV-3 (/tmp/core-bugs.md: a stale "preempted" record hands its FIFO place to later
-# attempts) is open, a preempted attempt notices its preemption at once (a live process woken
-# by pub/sub), so the model does not explore lingering "p" records of dead processes; the
-# bug itself is pinned by test_stale_preempted_place_is_not_inherited. Set to False once fixed.
-PREEMPTED_NOTICE_AT_ONCE = True
-# While BUG-INV-4 (a re-check at/after its grant's claim deadline revokes that grant and admits
-# the ticket again in the same call) is open, the poller's housekeeping reclaims an expired
-# unclaimed grant before its late waiter re-checks; the bug itself is pinned by
-# test_late_claim_of_a_grant_is_not_a_second_admission. Set to False once fixed.
-HOUSEKEEP_BEFORE_LATE_CLAIM = True
 
 
 def _j(raw):
@@ -123,10 +113,7 @@ class GateMachine(RuleBasedStateMachine):
         self.lease_gen: dict[str, int] = {}
         self.cancelled: set[str] = set()
         self.preempted_by: dict[str, str] = {}  # preempted attempt -> the attempt that superseded it
-        self.just_preempted: list[str] = []
         self.in_hypothesis = True                # False when a test drives the model by hand
-        self.notice_at_once = PREEMPTED_NOTICE_AT_ONCE
-        self.housekeep_before_late_claim = HOUSEKEEP_BEFORE_LATE_CLAIM
         self.state: GateState | None = None
 
     # -- setup / teardown ------------------------------------------------------------------
@@ -209,7 +196,6 @@ class GateMachine(RuleBasedStateMachine):
             if old and old != t and pre.waiters.get(old, {}).get("st") == "w" \
                     and post.waiters.get(old, {}).get("st") == "p":
                 self.preempted_by[old] = t
-                self.just_preempted.append(old)
             if t not in pre.fifo:
                 place = self.fair_place(pre, post, acq)
                 if t in post.fifo:
@@ -310,9 +296,11 @@ class GateMachine(RuleBasedStateMachine):
         pre = self.state
         fresh = pre.fresh(self.now, int(self.cfg.staleness_s * 1000))
         lease = pre.leases.get(ticket)
-        held = lease is not None and pre.lease_exp[ticket] > self.now
+        # rule 4 and a stopped attempt are looked up before the bounded reap: a grant still
+        # in the hash is claimable at / after its claim deadline
+        held = lease is not None
         w = pre.waiters.get(ticket)
-        stopped = (not held and w is not None and w["st"] != "w" and pre.alive[ticket] > self.now)
+        stopped = not held and w is not None and w["st"] != "w"
         out = self.call("acquire", ticket=ticket, session=info["session"], need=info["need"],
                         protected=1 if info["protected"] else 0, retain=1 if info["retain"] else 0,
                         probe=probe)
@@ -358,14 +346,6 @@ class GateMachine(RuleBasedStateMachine):
             assert o in ("bypass", "preempted"), out
             assert ticket not in self.state.fifo and ticket not in self.state.leases
             assert ticket not in self.state.waiters
-        if self.notice_at_once:
-            # the preempted attempt's process is alive: the "p" message wakes it, and its
-            # check raises Preempted (drops its record) before anything else happens
-            while self.just_preempted:
-                old = self.just_preempted.pop()
-                if old in self.waiting or old in self.probing:
-                    assert self.acquire(old, -2)["o"] == "preempted"
-        self.just_preempted.clear()
         return out
 
     @rule(session=st.sampled_from(SESSIONS), need=st.integers(1, 1500), retain=st.booleans(),
@@ -382,9 +362,6 @@ class GateMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def recheck_waiting(self, data):
         ticket = data.draw(st.sampled_from(sorted(self.waiting)))
-        if self.housekeep_before_late_claim and ticket in self.state.leases \
-                and self.state.lease_exp[ticket] <= self.now:
-            self.call("housekeep", limit=100)
         self.acquire(ticket, -1 if self.has_probe else -2)
 
     @precondition(lambda self: self.waiting)
@@ -404,7 +381,7 @@ class GateMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def recheck_held(self, data):
         ticket = data.draw(st.sampled_from(sorted(self.held)))
-        if ticket in self.state.leases and self.state.lease_exp[ticket] > self.now:
+        if ticket in self.state.leases:
             self.acquire(ticket, -2)
 
     @precondition(lambda self: self.held)
@@ -549,7 +526,7 @@ def test_stale_preempted_place_is_not_inherited(redis_url):
     GateMachine.URL = redis_url
     m = GateMachine()
     m.in_hypothesis = False
-    m.notice_at_once = False      # the preempted attempt's process is gone (or slow)
+    # (the preempted attempt's process is gone or slow: its "p" record lingers)
     m.setup(features=(False, True), grace=2.0, has_probe=False)
 
     def acq(session, need, probe):
@@ -569,7 +546,7 @@ def test_late_claim_of_a_grant_is_not_a_second_admission(redis_url):
     GateMachine.URL = redis_url
     m = GateMachine()
     m.in_hypothesis = False
-    m.housekeep_before_late_claim = False   # nobody reaps the grant before its waiter comes back
+    # (nobody reaps the grant before its waiter comes back)
     m.setup(features=(True, True), grace=0.0, has_probe=False, usage=0.86, cap=1000)
     claim_ms = 2 * int(m.cfg.wait_poll_s * 1000) + 1000
 
