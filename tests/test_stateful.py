@@ -38,6 +38,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 import kvgate
+from kvgate import keys as kvkeys
 
 pytestmark = pytest.mark.redis_real
 
@@ -68,8 +69,13 @@ class GateState:
         p.hgetall(k("session_waiter"))
         p.hgetall(k("totals"))
         p.hgetall(k("snapshot"))
+        has_order = "window_order" in kvkeys.SCRIPT_KEYS
+        if has_order:
+            p.zrange(k("window_order"), 0, -1, withscores=True)
+        res = p.execute()
         (ledger, leases, lease_exp, windows, window_exp, waiters, fifo, alive, sw, totals,
-         snap) = p.execute()
+         snap) = res[:11]
+        self.window_order = dict(res[11]) if has_order else None
         self.ledger = ledger
         self.reserved = int(ledger.get("reserved", 0))
         self.seq = int(ledger.get("seq", 0))
@@ -123,7 +129,7 @@ class GateMachine(RuleBasedStateMachine):
     def setup(self, features, grace, has_probe, usage=None, cap=2000):
         adm, res = features
         self.cfg = kvgate.GateConfig(admission=adm, residency=res, idle_grace_s=grace, wait_poll_s=1.0,
-                                     max_wait_s=2.0, lease_ttl_s=10.0, staleness_s=6.0, reap_batch=8)
+                                     max_wait_s=2.0, lease_ttl_s=10.0, staleness_s=30.0, reap_batch=8)
         self.has_probe = has_probe and res
         self.gate = kvgate.Gate(self.r, gate=f"st-{uuid.uuid4().hex[:10]}", config=self.cfg,
                                 clock_ms=lambda: self.now)
@@ -132,6 +138,10 @@ class GateMachine(RuleBasedStateMachine):
             self.write_snapshot(healthy=[True, True, False], caps=[cap, cap, cap], usage=usage)
 
     def teardown(self):
+        if self.state is not None:
+            for f in ("window_revoked", "window_expired", "window_epoch_dropped", "lease_expired", "dead_waiter",
+                      "wait_granted", "preempted", "cancelled"):
+                OUTCOMES["totals " + f] += self.state.total(f)
         if self.gate is not None:
             self.r.delete(*self.gate._keys)
         self.r.close()
@@ -283,7 +293,14 @@ class GateMachine(RuleBasedStateMachine):
         assert set(s.window_exp) == idle, (s.window_exp, s.windows)
         if self.cfg.idle_grace_s == 0:
             assert not idle, f"idle windows with idle_grace_s=0: {s.windows}"
+        if s.window_order is not None:
+            # opening order of the live windows (the youngest are revoked first)
+            assert set(s.window_order) == set(s.windows), (s.window_order, s.windows)
+            for sess, w in s.windows.items():
+                assert s.window_order[sess] == w["id"], (sess, s.window_order[sess], w)
         for sess, w in s.windows.items():
+            # a revoked window ends at its last release: it is never idle
+            assert not (w.get("rv") == 1 and w["h"] == 0), (sess, w)
             holders = [t for t, l in s.leases.items()
                        if l["w"] == 1 and l["s"] == sess and self.lease_gen.get(t) == self.win_gen[sess]]
             assert w["h"] == len(holders), (
@@ -350,7 +367,7 @@ class GateMachine(RuleBasedStateMachine):
 
     @rule(session=st.sampled_from(SESSIONS), need=st.integers(1, 1500), retain=st.booleans(),
           protected=st.sampled_from([False] * 9 + [True]),
-          probe=st.one_of(st.just(None), st.floats(0.0, 1.0)))
+          probe=st.one_of(st.just(None), st.floats(0.0, 1.0), st.sampled_from([0.0, 0.9, 1.0])))
     def acquire_new(self, session, need, retain, protected, probe):
         ticket = f"t{len(self.tickets):03d}"   # deterministic: Hypothesis replays draws by position
         self.tickets[ticket] = dict(session=session, need=need, retain=retain, protected=protected)
@@ -372,7 +389,7 @@ class GateMachine(RuleBasedStateMachine):
         self.recheck_waiting(data)
 
     @precondition(lambda self: self.probing)
-    @rule(data=st.data(), ratio=st.one_of(st.just(-2.0), st.floats(0.0, 1.0)))
+    @rule(data=st.data(), ratio=st.one_of(st.just(-2.0), st.floats(0.0, 1.0), st.sampled_from([0.0, 0.9, 1.0])))
     def answer_probe(self, data, ratio):
         ticket = data.draw(st.sampled_from(sorted(self.probing)))
         self.acquire(ticket, ratio)
@@ -423,7 +440,9 @@ class GateMachine(RuleBasedStateMachine):
         assert out["stopped"] == stopped, (out, stopped)
         assert session not in self.state.windows and session not in self.state.sw
 
-    @rule(ms=st.one_of(st.integers(0, 1500), st.integers(0, 1500), st.integers(2500, 20000)))
+    # mostly polls; sometimes past grace / liveness / claim / TTL; rarely past staleness
+    @rule(ms=st.one_of(*([st.integers(0, 1500)] * 6 + [st.integers(2500, 12000)] * 3
+                         + [st.integers(30000, 40000)])))
     def advance_time(self, ms):
         self.now += ms
 
