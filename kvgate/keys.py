@@ -19,7 +19,7 @@ PREFIX = "kvgate"
 #: The keys every script receives, in KEYS order (lua/includes/common.lua names them).
 SCRIPT_KEYS = (
     "ledger", "snapshot", "fifo", "waiters", "alive", "session_waiter", "leases",
-    "lease_exp", "windows", "window_exp", "stats", "totals", "preempted",
+    "lease_exp", "windows", "window_exp", "stats", "totals", "preempted", "window_order",
 )
 
 _GATE_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")

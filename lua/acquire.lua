@@ -2,7 +2,7 @@
   acquire.lua: decide one attempt (ticket) of one turn: rules 2-9 of the decision table.
   Called for a new attempt and again for every re-check of a waiting one.
 
-  KEYS: see includes/common.lua (the 13 gate keys).
+  KEYS: see includes/common.lua (the 14 gate keys).
   ARGV[1] now ms or "" (server TIME); ARGV[2] JSON:
     ticket (str), session (str), need (int tokens = prompt + capped decode budget),
     protected (0/1), retain (0/1 open an ownership window when admitted under pressure),
@@ -105,6 +105,7 @@ local function admitted(reason, win_mode)
     drop_waiter(ticket, w)
   end
   local g = grant(ticket, session, need, reason, enq, win_mode, false)
+  trim(snap, num(P.reap, 8))
   advance(num(P.reap, 8), snap)
   return out("admit", reason, { w = g.a - g.e, t = g.t })
 end
@@ -123,17 +124,20 @@ else
 end
 local blocked = block_reason(snap, need)
 if not older and blocked == nil then
-  return admitted("open", nil)
+  return admitted("open", opens_window(P.retain, snap.usage) and "open" or nil)
 end
 
+-- rules 7 and 8 admit past the ledger (the prefix is resident, or nobody can tell); they
+-- open a window only where the ledger has room for it, so an over-committed ledger does
+-- not hand places to newcomers (it would only revoke someone else's)
 local win_mode = nil
-if P.retain == 1 then win_mode = "open" end
+if P.retain == 1 and (P.adm ~= 1 or reserved() + need <= snap.ceiling) then win_mode = "open" end
 local probe = num(P.probe, -2)
 local band = P.res == 1 and (P.adm ~= 1 or snap.usage < P.pt)
 
 if band then
   -- rule 7: the probe says this prompt's prefix is resident
-  if probe >= 0 and probe >= num(P.hit, 0.8) then
+  if probe >= 0 and probe >= num(P.hit, 0.8) and (P.adm ~= 1 or reserved() + need <= snap.ceiling) then
     return admitted("resident_prefix", win_mode)
   end
   -- rule 8: residency alone fails open when no probe answers (with admission on, a failed
@@ -157,7 +161,7 @@ if band and probe == -1 then
 end
 if not w then
   if seq == nil then seq = redis.call("HINCRBY", K.ledger, "seq", 1) end
-  w = { s = session, n = need, e = NOW, st = "w" }
+  w = { s = session, n = need, e = NOW, st = "w", r = P.retain }
   jset(K.waiters, ticket, w)
   redis.call("ZADD", K.fifo, I(seq), ticket)
   redis.call("HSET", K.session_waiter, session, ticket)

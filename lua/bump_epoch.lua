@@ -3,7 +3,7 @@
   engines without the poller noticing). Windows of older epochs stop counting as resident
   and are ended lazily when their session next looks.
 
-  KEYS: the 13 gate keys (includes/common.lua).
+  KEYS: the 14 gate keys (includes/common.lua).
   ARGV[1] now ms or ""; ARGV[2] JSON: ch (channel).
   Returns JSON {epoch=n}
   Publishes "e <epoch>".

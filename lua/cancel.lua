@@ -3,7 +3,7 @@
   Atomically removes its waiter, or releases the lease granted to it concurrently, so a
   cancel racing a grant never leaks a reservation.
 
-  KEYS: the 13 gate keys (includes/common.lua).
+  KEYS: the 14 gate keys (includes/common.lua).
   ARGV[1] now ms or ""; ARGV[2] JSON: ticket (str), aged (0/1: the caller's own clock aged
     the wait out; counted as an aged bypass, not a cancel), plus the knobs of release.lua.
   Returns JSON {removed="waiter"|"lease"|"none"}

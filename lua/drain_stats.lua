@@ -2,7 +2,7 @@
   drain_stats.lua: read and reset the step window of counters (one rollout step), together
   with the ledger's current state, atomically.
 
-  KEYS: the 13 gate keys (includes/common.lua).
+  KEYS: the 14 gate keys (includes/common.lua).
   ARGV[1] now ms or ""; ARGV[2] JSON: drain (0/1 reset the window), stale_ms.
   Returns JSON {stats={field=value...}, reserved, epoch, leases, waiting, windows,
     capacity, usage, hit_rate, snapshot_age_ms (-1 when none), n_healthy}

@@ -3,7 +3,7 @@
   window's charge), stops its waiting attempt (it raises Preempted with reason
   "session_finished"), forgets its preemption count, and advances the FIFO.
 
-  KEYS: the 13 gate keys (includes/common.lua).
+  KEYS: the 14 gate keys (includes/common.lua).
   ARGV[1] now ms or ""; ARGV[2] JSON: session (str), plus the knobs of release.lua.
   Returns JSON {window=0|1, freed=<tokens returned>, stopped=<ticket or "">, num_preempted=<int>}
   Publishes "p <ticket>" for the stopped attempt, "g <ticket>" for FIFO grants.

@@ -1,17 +1,19 @@
 --[[
   housekeep.lua: bounded maintenance, run by the poller every tick and by anyone who
   wants it: reclaims expired leases (TTL), ends expired idle windows, drops dead waiters,
-  then advances the FIFO.
+  trims an over-committed ledger (youngest windows first), then advances the FIFO.
 
-  KEYS: the 13 gate keys (includes/common.lua).
+  KEYS: the 14 gate keys (includes/common.lua).
   ARGV[1] now ms or ""; ARGV[2] JSON: limit (max items of each kind), plus the knobs of
     release.lua.
-  Returns JSON {leases=n, windows=n, waiters=n, granted=n}
+  Returns JSON {leases=n, windows=n, waiters=n, revoked=n, granted=n}
   Publishes "g <ticket>" for each FIFO head granted.
 ]]
 --@include common
 --@include state
 
 local n = reap(math.floor(num(P.limit, 100)))
-n.granted = advance(math.floor(num(P.limit, 100)), nil)
+local snap = snapshot()
+n.revoked = trim(snap, math.floor(num(P.limit, 100)))
+n.granted = advance(math.floor(num(P.limit, 100)), snap)
 return cjson.encode(n)

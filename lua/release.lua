@@ -1,9 +1,11 @@
 --[[
   release.lua: an admitted turn is done; give back its lease (idempotent per ticket).
   A lease held under an ownership window turns the window idle for idle_grace (still
-  charged); any other lease returns its tokens to the ledger. Then the FIFO advances.
+  charged; a window revoked while held ends instead); any other lease returns its tokens to
+  the ledger. Then an over-committed ledger is trimmed (youngest windows first) and the
+  FIFO advances.
 
-  KEYS: the 13 gate keys (includes/common.lua).
+  KEYS: the 14 gate keys (includes/common.lua).
   ARGV[1] now ms or ""; ARGV[2] JSON:
     ticket (str), lat_ms (float, turn latency for the per-turn-index signal, optional),
     turn (int turn index, optional), plus the knobs adm, res, hw, pt, headroom, stale_ms,
@@ -21,5 +23,7 @@ if l and P.lat_ms ~= nil and P.turn ~= nil then
   stat("lat_n:" .. b)
 end
 reap(num(P.reap, 8))
-local g = advance(num(P.reap, 8), nil)
+local snap = snapshot()
+trim(snap, num(P.reap, 8))
+local g = advance(num(P.reap, 8), snap)
 return cjson.encode({ released = l and 1 or 0, granted = g })

@@ -4,7 +4,7 @@
   set of healthy engines bumps the epoch. Samples usage into the step's window
   (kv_token_usage mean and max), then advances the FIFO (fresh usage may admit heads).
 
-  KEYS: the 13 gate keys (includes/common.lua).
+  KEYS: the 14 gate keys (includes/common.lua).
   ARGV[1] now ms or ""; ARGV[2] JSON: engines = [{id (str), cap (int tokens),
     used (int tokens), usage (float 0..1), healthy (0/1), hit (float or -1), url (str),
     kind (str)}], plus the knobs of release.lua.
@@ -51,5 +51,7 @@ if nh > 0 then
   local mx = num(redis.call("HGET", K.stats, "usage_max"), -1)
   if usage > mx then redis.call("HSET", K.stats, "usage_max", tostring(usage)) end
 end
-advance(num(P.reap, 8), nil)
+local snap = snapshot()
+trim(snap, num(P.reap, 8))
+advance(num(P.reap, 8), snap)
 return cjson.encode({ epoch = epoch(), bumped = bumped, capacity = cap, usage = usage, n_healthy = nh })

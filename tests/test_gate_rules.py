@@ -137,7 +137,7 @@ def test_rule4_same_ticket_same_lease_charged_once(backend, clock):
 
 # -- rule 6: open, and the three wait reasons --------------------------------------------
 def test_rule6_open_and_capacity_exhausted(backend, clock):
-    g = mkgate(backend, clock, headroom=0.5)
+    g = mkgate(backend, clock, headroom=0.5, residency=False)
     g.write_snapshot(engines(cap=1000, usage=0.1))  # ceiling 500
     a = g.acquire("a", prompt_tokens=300, max_new_tokens=100)
     assert (a.reason, a.tokens) == ("open", 400)
@@ -155,7 +155,7 @@ def test_rule6_open_and_capacity_exhausted(backend, clock):
 
 
 def test_rule6_expected_decode_cap_sizes_the_reservation(backend, clock):
-    g = mkgate(backend, clock, expected_decode_cap=64)
+    g = mkgate(backend, clock, expected_decode_cap=64, residency=False)
     g.write_snapshot(engines())
     lease = g.acquire("s", prompt_ids=list(range(100)), max_new_tokens=1000)
     assert lease.tokens == 164 and ledger(g) == 164
@@ -366,7 +366,7 @@ def test_finish_session_stops_its_waiting_attempt(backend, clock):
 def test_lease_ttl_reclaim(backend, clock):
     g = mkgate(backend, clock, lease_ttl_s=10)
     g.write_snapshot(engines())
-    g.acquire("s", prompt_tokens=100, max_new_tokens=0)
+    g.acquire("s", prompt_tokens=100, max_new_tokens=0, retain_session=False)
     clock.advance(9)
     g.write_snapshot(engines())
     assert g.housekeep()["leases"] == 0 and ledger(g) == 100
@@ -595,3 +595,85 @@ def test_prometheus_collector(backend, clock):
     text = generate_latest(reg).decode()
     assert 'kvgate_admissions_total{gate="g1",reason="open"} 1.0' in text
     assert 'kvgate_up{gate="g1"} 1.0' in text
+
+
+# -- windows with admission on: the ledger charges sessions between turns ------------------
+def test_open_admission_opens_a_window_when_admission_is_on(backend, clock):
+    g = mkgate(backend, clock, idle_grace_s=30)
+    g.write_snapshot(engines(usage=0.1))
+    lease = g.acquire("s", prompt_tokens=100, max_new_tokens=20)
+    assert lease.reason == "open"
+    lease.release()
+    assert ledger(g) == 120 and g.redis.hexists(g.key("windows"), "s")  # idle, still charged
+    nxt = g.acquire("s", prompt_tokens=150, max_new_tokens=20)
+    assert nxt.reason == "reserved_session" and ledger(g) == 170
+    nxt.release()
+    g.finish_session("s")
+    assert ledger(g) == 0
+
+
+def test_residency_alone_opens_windows_only_under_pressure(backend, clock):
+    g = mkgate(backend, clock, admission=False)
+    g.write_snapshot(engines(usage=0.1))
+    g.acquire("s", prompt_tokens=100, max_new_tokens=20).release()
+    assert ledger(g) == 0 and not g.redis.hexists(g.key("windows"), "s")
+
+
+def test_over_committed_ledger_revokes_the_youngest_windows_first(backend, clock):
+    g = mkgate(backend, clock, headroom=1.0, idle_grace_s=60)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    for sid in ("old", "mid", "young"):  # three sessions, 300 tokens each: they fit
+        g.acquire(sid, prompt_tokens=300, max_new_tokens=0).release()
+    assert ledger(g) == 900
+    held = g.acquire("old", prompt_tokens=500, max_new_tokens=0)  # rule 5 grows: 1100 > 1000
+    assert held.reason == "reserved_session"
+    windows = {k.decode() for k in g.redis.hkeys(g.key("windows"))}
+    assert windows == {"old", "mid"}  # the youngest idle window ended at once
+    assert ledger(g) == 800
+    assert int(g.redis.hget(g.key("stats"), "window_revoked")) == 1
+    # a young session's next turn now waits behind the ceiling in the FIFO
+    r = script(g, "acquire", ticket="y2", session="young", need=400, probe=-2, retain=1)
+    assert (r["o"], r["r"]) == ("wait", "capacity_exhausted")
+    held.release()
+    script(g, "cancel", ticket="y2")
+
+
+def test_held_window_revoked_ends_at_release(backend, clock):
+    g = mkgate(backend, clock, headroom=1.0)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    g.acquire("old", prompt_tokens=300, max_new_tokens=0).release()
+    young = g.acquire("young", prompt_tokens=300, max_new_tokens=0)  # held
+    grow = g.acquire("old", prompt_tokens=800, max_new_tokens=0)  # 1100 > 1000
+    assert grow.reason == "reserved_session"
+    assert g.redis.hexists(g.key("windows"), "young")  # held: marked, not ended yet
+    young.release()  # ends instead of idling
+    assert not g.redis.hexists(g.key("windows"), "young")
+    assert ledger(g) == 800
+    grow.release()
+    assert ledger(g) == 800  # old's window idles, still charged
+
+
+def test_rule7_waits_when_the_ledger_is_full(backend, clock):
+    g = mkgate(backend, clock, headroom=0.5, probe=FakeProbe({"hot": 1.0}), residency=True)
+    g.write_snapshot(engines(cap=1000, usage=0.88))  # ceiling 500
+    script(g, "acquire", ticket="big", session="big", need=450, probe=1.0, retain=1)  # resident, fits
+    r = script(g, "acquire", ticket="t", session="hot", need=100, probe=1.0, retain=1)
+    assert (r["o"], r["r"]) == ("wait", "capacity_exhausted")  # resident, but no room: it waits
+    g2 = mkgate(backend, clock, headroom=0.5, admission=False, probe=FakeProbe({"hot": 1.0}))
+    r = script(g2, "acquire", ticket="t2", session="hot2", need=100, probe=1.0, retain=1)
+    assert (r["o"], r["r"]) == ("admit", "resident_prefix")  # residency alone: no ledger
+
+
+def test_windows_may_grow_past_the_ceiling_until_capacity(backend, clock):
+    g = mkgate(backend, clock, headroom=0.5, idle_grace_s=60)
+    g.write_snapshot(engines(cap=1000, usage=0.1))  # ceiling 500, capacity 1000
+    g.acquire("a", prompt_tokens=200, max_new_tokens=0).release()
+    g.acquire("b", prompt_tokens=200, max_new_tokens=0).release()
+    g.acquire("a", prompt_tokens=600, max_new_tokens=0).release()  # 800: over the ceiling, kept
+    assert ledger(g) == 800 and g.redis.hlen(g.key("windows")) == 2
+    r = script(g, "acquire", ticket="c", session="c", need=10, probe=-2, retain=1)
+    assert (r["o"], r["r"]) == ("wait", "capacity_exhausted")  # newcomers wait
+    script(g, "cancel", ticket="c")
+    g.acquire("a", prompt_tokens=900, max_new_tokens=0).release()  # 1100 > capacity: trim
+    assert {k.decode() for k in g.redis.hkeys(g.key("windows"))} == {"a"}  # b, younger, revoked
+    assert ledger(g) == 900

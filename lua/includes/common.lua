@@ -1,7 +1,7 @@
 --[[
   common.lua: names, clock, argument decoding and small helpers shared by every script.
 
-  Every kvgate script receives the same KEYS (all under one hash tag, so a gate lives
+  Every kvgate script receives the same 14 KEYS (all under one hash tag, so a gate lives
   in one Redis Cluster slot):
     KEYS[1]  ledger        HASH   reserved (tokens), epoch, seq (FIFO sequence counter),
                                   wseq (window id counter)
@@ -18,11 +18,14 @@
                                   ep=epoch, c=1 while a FIFO grant is unclaimed}
     KEYS[8]  lease_exp     ZSET   ticket -> lease expiry (ms)
     KEYS[9]  windows       HASH   session -> JSON {id=window id, t=charged tokens, h=holders, ep=epoch,
+                                  rv=1 when it is to end at its release (revoked while held),
                                   x=idle-grace expiry ms (0 while held)}
     KEYS[10] window_exp    ZSET   session -> idle-grace expiry (ms), idle windows only
     KEYS[11] stats         HASH   counters of the current rollout step (drained per step)
     KEYS[12] totals        HASH   the same counters, never drained (Prometheus)
     KEYS[13] preempted     HASH   session -> number of preempted attempts
+    KEYS[14] window_order  ZSET   session -> its window's id (opening order; the youngest
+                                  windows are revoked first when the ledger is over-committed)
   ARGV[1] = now in ms, or "" to use the Redis server clock (TIME).
   ARGV[2] = JSON object of named parameters (each script's header lists its fields).
 ]]
@@ -30,6 +33,7 @@ local K = {
   ledger = KEYS[1], snapshot = KEYS[2], fifo = KEYS[3], waiters = KEYS[4], alive = KEYS[5],
   session_waiter = KEYS[6], leases = KEYS[7], lease_exp = KEYS[8], windows = KEYS[9],
   window_exp = KEYS[10], stats = KEYS[11], totals = KEYS[12], preempted = KEYS[13],
+  window_order = KEYS[14],
 }
 
 local function now_ms()

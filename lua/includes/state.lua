@@ -37,27 +37,71 @@ local function drop_waiter(ticket, w)
   end
 end
 
--- idle window: start its grace, or end it at once when grace is 0
+local function end_window(session, win)
+  redis.call("HDEL", K.windows, session)
+  redis.call("ZREM", K.window_exp, session)
+  redis.call("ZREM", K.window_order, session)
+  -- leases still running under it (finish_session mid-turn) hold no charge of their own,
+  -- so their later release gives back nothing: the window's charge is returned once, here
+  charge(-win.t)
+end
+
+-- idle window: start its grace; end it at once when grace is 0 or it was revoked
 local function window_idle(session, win)
-  local grace = num(P.grace_ms, 60000)
-  if grace <= 0 then
-    redis.call("HDEL", K.windows, session)
-    redis.call("ZREM", K.window_exp, session)
-    charge(-win.t)
+  if win.rv == 1 then
+    end_window(session, win)
+    stat("window_revoked")
+    return
+  end
+  if num(P.grace_ms, 60000) <= 0 then
+    end_window(session, win)
     return
   end
   win.h = 0
-  win.x = NOW + grace
+  win.x = NOW + num(P.grace_ms, 60000)
   jset(K.windows, session, win)
   redis.call("ZADD", K.window_exp, I(win.x), session)
 end
 
-local function end_window(session, win)
-  redis.call("HDEL", K.windows, session)
-  redis.call("ZREM", K.window_exp, session)
-  -- leases still running under it (finish_session mid-turn) hold no charge of their own,
-  -- so their later release gives back nothing: the window's charge is returned once, here
-  charge(-win.t)
+-- does a retained admission open (or keep) an ownership window? With admission on, always:
+-- the ledger must charge the prefixes of sessions between turns, which the engines' usage
+-- gauges count as free. With residency alone, only under pressure (seed 000).
+local function opens_window(retain, usage)
+  return P.res == 1 and retain == 1 and (P.adm == 1 or usage >= P.hw)
+end
+
+-- the ledger is over-committed (windows grew past the ceiling): revoke the youngest windows
+-- first, bounded. An idle one ends now; a held one ends at its lease's release. The oldest
+-- sessions keep their place, like a concurrency cap that adapts to real context sizes.
+local function trim(snap, limit)
+  if P.adm ~= 1 or P.res ~= 1 or not snap.fresh then return 0 end
+  -- hysteresis: windows may grow past the ceiling (rules 5 and 7); only when they outgrow
+  -- the engines' whole capacity are the youngest revoked, down to the ceiling
+  local r = reserved()
+  if r <= snap.capacity then return 0 end
+  local excess = r - snap.ceiling
+  local n = 0
+  local oldest = redis.call("ZRANGE", K.window_order, 0, 0)[1]
+  for _, s in ipairs(redis.call("ZREVRANGE", K.window_order, 0, limit - 1)) do
+    -- the oldest window always stays: revoking the last session cannot make room for anyone
+    if excess <= 0 or s == oldest then break end
+    local win = jget(K.windows, s)
+    if not win then
+      redis.call("ZREM", K.window_order, s)
+    elseif win.h == 0 then
+      end_window(s, win)
+      stat("window_revoked")
+      excess = excess - win.t
+      n = n + 1
+    else
+      if win.rv ~= 1 then
+        win.rv = 1
+        jset(K.windows, s, win)
+      end
+      excess = excess - win.t
+    end
+  end
+  return n
 end
 
 -- a live window of the current epoch, or nil (stale ones are ended here, lazily)
@@ -104,6 +148,7 @@ local function grant(ticket, session, need, reason, enq_ms, win_mode, claim)
     local win = jget(K.windows, session)
     if win == nil then
       win = { t = need, h = 1, ep = epoch(), x = 0, id = redis.call("HINCRBY", K.ledger, "wseq", 1) }
+      redis.call("ZADD", K.window_order, I(win.id), session)
       charge(need)
       l.t = 0
       l.w = 1
@@ -191,7 +236,7 @@ local function advance(limit, snap)
     else
       if block_reason(snap, w.n) ~= nil then break end
       drop_waiter(head, w)
-      grant(head, w.s, w.n, "open", w.e, nil, true)
+      grant(head, w.s, w.n, "open", w.e, opens_window(w.r, snap.usage) and "open" or nil, true)
       publish("g " .. head)
       granted = granted + 1
     end
