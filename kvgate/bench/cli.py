@@ -429,7 +429,7 @@ def run(args: argparse.Namespace) -> int:
     extra = {"scenario": args.scenario, "time_scale": time_scale, "engines": env.describe(),
              "redis": redis_kind, "elapsed_s": elapsed, "caps": caps,
              "checks": [{"check": n, "passed": ok, "detail": d} for n, ok, d in verdicts],
-             "argv": sys.argv[1:]}
+             "argv": sys.argv[1:], "version": _source_version()}
     json_path = out_dir / "bench.json"
     write_json(summary, json_path, extra)
     paths = [json_path]
@@ -441,6 +441,30 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[yellow]warning:[/] {errors} turn(s) failed; first: "
                       f"{next(e for r in results for e in r.error_examples)}")
     return 0
+
+
+def _source_version() -> dict:
+    """The kvgate version and, for a source checkout, its git commit and whether the gate's
+    code (kvgate/, lua/) had uncommitted changes: results belong to one gate version."""
+    import subprocess
+
+    import kvgate
+
+    out: dict = {"kvgate": getattr(kvgate, "__version__", "?")}
+    root = Path(kvgate.__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=5)
+        if head.returncode == 0:
+            out["git_commit"] = head.stdout.strip()
+            st = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "kvgate", "lua"],
+                                capture_output=True, text=True, timeout=5)
+            out["gate_code_modified"] = sorted({ln[3:] for ln in st.stdout.splitlines()
+                                                if ln[:2].strip() and not ln.startswith("??")
+                                                and not ln[3:].startswith("kvgate/bench")})
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
