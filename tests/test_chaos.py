@@ -93,15 +93,18 @@ def test_kill9_redis_turns_degrade_without_hang(fresh_redis):
         g.write_snapshot(_engines())
         holder = bounded(g.acquire, "holder", prompt_tokens=HOLD, max_new_tokens=0)
         assert (holder.outcome, holder.reason) == ("admit", "open")
-        ex = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        waiter = ex.submit(g.acquire, "waiter", prompt_tokens=WAIT, max_new_tokens=0)
+        ex = concurrent.futures.ThreadPoolExecutor(max_workers=5)
+        waiters = [ex.submit(g.acquire, f"waiter{i}", prompt_tokens=WAIT, max_new_tokens=0) for i in range(5)]
         r = fresh_redis.client()
-        wait_until(lambda: r.zcard(g.key("fifo")) == 1, what="the waiter to enqueue")
+        wait_until(lambda: r.zcard(g.key("fifo")) == 5, what="the waiters to enqueue")
 
         fresh_redis.stop(signal.SIGKILL)
 
-        lease = waiter.result(timeout=HANG_S)     # its next re-check finds Redis gone
-        assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+        done, _ = concurrent.futures.wait(waiters, timeout=HANG_S)   # their next re-checks find Redis gone
+        assert len(done) == 5, "a waiter hung after Redis died"
+        for w in waiters:
+            lease = w.result()
+            assert (lease.outcome, lease.reason) == ("bypass", "degraded")
         ex.shutdown(wait=False)
         for i in range(3):
             lease = bounded(g.acquire, f"new{i}", prompt_tokens=10, max_new_tokens=10)
@@ -127,16 +130,17 @@ def test_kill9_redis_async_turns_degrade_without_hang(fresh_redis):
             await g.write_snapshot(_engines())
             holder = await asyncio.wait_for(g.acquire("holder", prompt_tokens=HOLD, max_new_tokens=0), HANG_S)
             assert holder.outcome == "admit"
-            waiter = asyncio.ensure_future(g.acquire("waiter", prompt_tokens=WAIT, max_new_tokens=0))
+            waiters = [asyncio.ensure_future(g.acquire(f"waiter{i}", prompt_tokens=WAIT, max_new_tokens=0))
+                       for i in range(5)]
             r = fresh_redis.client()
             for _ in range(500):
-                if r.zcard(g.key("fifo")) == 1:
+                if r.zcard(g.key("fifo")) == 5:
                     break
                 await asyncio.sleep(0.02)
-            assert r.zcard(g.key("fifo")) == 1
+            assert r.zcard(g.key("fifo")) == 5
             fresh_redis.stop(signal.SIGKILL)
-            lease = await asyncio.wait_for(waiter, HANG_S)
-            assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+            for lease in await asyncio.wait_for(asyncio.gather(*waiters), HANG_S):
+                assert (lease.outcome, lease.reason) == ("bypass", "degraded")
             lease = await asyncio.wait_for(g.acquire("new", prompt_tokens=10, max_new_tokens=10), HANG_S)
             assert (lease.outcome, lease.reason) == ("bypass", "degraded")
             await asyncio.sleep(BREAKER_S + 0.1)
