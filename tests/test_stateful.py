@@ -1,17 +1,22 @@
 """A Hypothesis stateful model of the gate's ledger, FIFO, leases and windows, run against
 a real redis-server with an injected script clock (SPEC section 8).
 
-Every step is one atomic script call (acquire / release / cancel / finish_session /
-housekeep / write_snapshot / bump_epoch) or a clock advance; the blocking turn flow is
-not involved, so each step is exactly one state transition. Before and after every step
-the whole gate state is read back from Redis and checked:
+Every step is one atomic script call (acquire of a new ticket, re-check of a waiting one,
+call-back after a probe, re-check of a held one; release; cancel; finish_session;
+housekeep; write_snapshot with random capacities, usage and healthy sets; bump_epoch;
+drain_stats) or a clock advance (polls, past grace / liveness / claim / TTL, rarely past
+staleness); the blocking turn flow is not involved, so each step is exactly one state
+transition. Before and after every step the whole gate state is read back from Redis and
+checked:
 
 - the ledger equals the own charges of live leases plus the charges of windows, never
   goes negative, and ``ledger_clamped`` is never counted;
 - every grant is counted once (the ``admit`` counter moves by exactly the number of new
   leases), a ticket is never granted while it holds a lease, and a ticket the client saw
   admitted is only ever answered with that same lease (rule 4);
-- FIFO: a ticket granted ``open`` never leaves a waiter with a smaller sequence behind;
+- FIFO: a ticket granted ``open`` never leaves a waiter with a smaller sequence behind; a
+  new attempt enters at the back, or at the place of the attempt it supersedes (only
+  while its successor is undecided); no waiter is told to wait once it waited max_wait_s;
 - waiters / fifo / alive / session_waiter agree with each other, at most one waiting
   attempt per session;
 - leases and lease_exp hold the same tickets; idle windows are exactly those in
@@ -19,8 +24,14 @@ the whole gate state is read back from Redis and checked:
   opened (leases of an ended window must not touch a newer window of the session).
 
 A few outcomes are also predicted from the state before the step (rule 4, preempted,
-protected, degraded, and the exact returns of release / cancel / finish_session); the
-rule-by-rule decision table itself is tested in tests/test_gate_rules.py.
+protected, degraded, and the exact returns of release / cancel / finish_session /
+write_snapshot / bump_epoch / drain_stats); the rule-by-rule decision table itself is
+tested in tests/test_gate_rules.py. Fixed sequences that once broke an invariant
+(BUG-INV-1, -3, -4 in the history) are kept as directed tests at the end.
+
+Knobs: ``KVGATE_STATEFUL_EXAMPLES`` (default 150, about 20 s), ``KVGATE_STATEFUL_NO_SHRINK=1``
+(long bug hunts), ``KVGATE_STATEFUL_DB=<dir>`` (keep failing examples for replay). Hypothesis
+prints the failing step sequence and a ``@reproduce_failure`` blob.
 """
 from __future__ import annotations
 
