@@ -143,10 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         def tokens(n: int) -> list[int]:
             return [rng.randrange(100, 30000) for _ in range(n)]
 
-        # 1. low usage: the ledger alone decides; the probe is not consulted
+        # 1. low usage: the ledger alone decides; the probe is not consulted. This turn does not
+        #    ask to keep its place (retain_session=False), so it opens no ownership window and
+        #    the next turn has to show its prefix is resident.
         snapshot(gate, 0.30)
         warm = tokens(2000)
-        with gate.turn("warm", prompt_ids=warm, max_new_tokens=max_new) as lease:
+        with gate.turn("warm", prompt_ids=warm, max_new_tokens=max_new, retain_session=False) as lease:
             output = tokens(max_new)                 # stands in for the engine call
             record("1. usage 0.30, warm turn 0", lease, "admit/open")
         probe.observe(warm + output)                 # the engine now holds prompt + output
