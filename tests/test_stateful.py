@@ -29,7 +29,8 @@ write_snapshot / bump_epoch / drain_stats); the rule-by-rule decision table itse
 tested in tests/test_gate_rules.py. Fixed sequences that once broke an invariant
 (BUG-INV-1, -3, -4 in the history) are kept as directed tests at the end.
 
-Knobs: ``KVGATE_STATEFUL_EXAMPLES`` (default 150, about 20 s), ``KVGATE_STATEFUL_NO_SHRINK=1``
+Knobs: ``KVGATE_STATEFUL_EXAMPLES`` (default 150, about 20 s), ``KVGATE_STATEFUL_STEPS``
+(default 40), ``KVGATE_STATEFUL_NO_SHRINK=1``
 (long bug hunts), ``KVGATE_STATEFUL_DB=<dir>`` (keep failing examples for replay). Hypothesis
 prints the failing step sequence and a ``@reproduce_failure`` blob.
 """
@@ -496,7 +497,8 @@ def test_gate_state_machine(redis_url):
     GateMachine.URL = redis_url
     phases = [Phase.explicit, Phase.generate] if os.environ.get("KVGATE_STATEFUL_NO_SHRINK") else list(Phase)
     run_state_machine_as_test(GateMachine, settings=settings(
-        max_examples=int(os.environ.get("KVGATE_STATEFUL_EXAMPLES", "150")), stateful_step_count=40,
+        max_examples=int(os.environ.get("KVGATE_STATEFUL_EXAMPLES", "150")),
+        stateful_step_count=int(os.environ.get("KVGATE_STATEFUL_STEPS", "40")),
         deadline=None, print_blob=True, phases=phases,
         database=(DirectoryBasedExampleDatabase(os.environ["KVGATE_STATEFUL_DB"])
                   if os.environ.get("KVGATE_STATEFUL_DB") else None),
