@@ -389,3 +389,23 @@ def test_route_token(route_server):
         assert probe.probe("s", PROMPT).cached_blocks == 4
     with HttpProbe([srv.url], timeout_s=2.0, headers={"Authorization": "Bearer wrong"}) as probe:
         assert probe.probe("s", PROMPT).hit_ratio is None
+
+
+def test_async_url_sources_are_awaited_by_aprobe(engines):
+    a, b = engines(2), engines(6)
+
+    async def urls():  # like AsyncGate.engine_urls
+        return [a.url, b.url]
+
+    async def owner(sid):
+        return a.url if sid == "s-a" else None
+
+    async def main():
+        async with HttpProbe(urls, url_for_session=owner, timeout_s=2.0) as probe:
+            return await probe.aprobe("s-a", PROMPT), await probe.aprobe("s-x", PROMPT)
+
+    ra, rx = asyncio.run(main())
+    assert ra.cached_blocks == 2 and rx.cached_blocks == 6
+    with HttpProbe(urls, timeout_s=2.0) as probe:  # sync probe() cannot await: unavailable, says why
+        r = probe.probe("s", PROMPT)
+    assert r.hit_ratio is None and "aprobe" in r.detail

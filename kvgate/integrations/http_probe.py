@@ -3,6 +3,7 @@ simulator's identical route) how much of a prompt's leading blocks they hold.
 
     probe = HttpProbe(["http://e1:8000", "http://e2:8000"])          # fixed list
     probe = HttpProbe(gate.engine_urls)                               # engines of the latest snapshot
+    probe = HttpProbe(agate.engine_urls)                              # AsyncGate: async source, aprobe()
     probe = HttpProbe(url_for_session=lambda sid: router_pick(sid))   # the engine that serves the session
     gate = kvgate.Gate.from_url(url, gate="g", probe=probe)
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -73,16 +75,40 @@ class HttpProbe:
 
     # ------------------------------------------------------------------ which engines
     def _targets(self, session_id: str) -> tuple[list[str], str]:
-        """Engines to ask for this session, and a note on how they were chosen."""
-        if self.url_for_session is not None:
-            picked = self.url_for_session(session_id)
-            if picked:
-                if isinstance(picked, str):
-                    picked = [picked]
-                return [_check_url(u) for u in picked], "session"
+        """Engines to ask for this session, and a note on how they were chosen (sync sources)."""
+        picked = self.url_for_session(session_id) if self.url_for_session is not None else None
+        if inspect.isawaitable(picked):
+            picked.close()
+            raise ValueError("url_for_session is async: use aprobe()")
+        if picked:
+            return self._urls_of(picked), "session"
         if self._urls_fn is not None:
-            return [_check_url(u) for u in (self._urls_fn() or [])], "all"
+            urls = self._urls_fn()
+            if inspect.isawaitable(urls):
+                urls.close()
+                raise ValueError("the URL source is async (e.g. AsyncGate.engine_urls): use aprobe()")
+            return self._urls_of(urls), "all"
         return list(self._urls), "all"
+
+    async def _atargets(self, session_id: str) -> tuple[list[str], str]:
+        """Like _targets, awaiting async sources (AsyncGate.engine_urls, an async session map)."""
+        picked = self.url_for_session(session_id) if self.url_for_session is not None else None
+        if inspect.isawaitable(picked):
+            picked = await picked
+        if picked:
+            return self._urls_of(picked), "session"
+        if self._urls_fn is not None:
+            urls = self._urls_fn()
+            if inspect.isawaitable(urls):
+                urls = await urls
+            return self._urls_of(urls), "all"
+        return list(self._urls), "all"
+
+    @staticmethod
+    def _urls_of(picked: Any) -> list[str]:
+        if isinstance(picked, str):
+            picked = [picked]
+        return [_check_url(u) for u in (picked or [])]
 
     def _body(self, session_id: str, ids: list[int]) -> dict:
         body: dict[str, Any] = {"prompt_ids": ids}
@@ -184,7 +210,7 @@ class HttpProbe:
         ids = check_prompt_ids(prompt_ids)
         t0 = time.monotonic()
         try:
-            urls, how = self._targets(session_id)
+            urls, how = await self._atargets(session_id)
         except Exception as e:  # noqa: BLE001
             return unavailable(f"http probe: engine list failed: {e}", total_tokens=len(ids))
         if not urls:
