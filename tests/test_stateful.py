@@ -476,7 +476,17 @@ class GateMachine(RuleBasedStateMachine):
 
     @rule(limit=st.integers(1, 20))
     def housekeep(self, limit):
-        self.call("housekeep", limit=limit)
+        pre = self.state
+        out = self.call("housekeep", limit=limit)
+        post = self.state
+        if (self.cfg.admission and self.cfg.residency and post.window_order is not None
+                and post.fresh(self.now, int(self.cfg.staleness_s * 1000)) and limit >= len(pre.windows)):
+            # an over-committed ledger is trimmed: unless every window is already revoked,
+            # what is left once the revoked windows end fits the ceiling
+            ceiling = int(int(post.snap["capacity"]) * self.cfg.headroom)
+            revoked = sum(w["t"] for w in post.windows.values() if w.get("rv") == 1)
+            if any(w.get("rv") != 1 for w in post.windows.values()):
+                assert post.reserved - revoked <= ceiling, (out, post.reserved, revoked, ceiling, post.windows)
 
     @rule(drain=st.booleans())
     def drain_stats(self, drain):
