@@ -106,7 +106,7 @@ class VllmServer:
 
 def start_server(model_dir: str | None = None, *, heavy: bool = False, num_blocks: int = 80,
                  block_size: int = 32, max_model_len: int = 2048, plugins: str | None = "kvgate",
-                 extra_args: tuple = (), python: str | None = None, wait_s: float = 180.0,
+                 extra_args: tuple = (), python: str | None = None, wait_s: float = 600.0,
                  cwd: str = "/tmp", env: dict | None = None) -> VllmServer:
     """Start a real CPU vLLM OpenAI server on a free loopback port and wait (bounded) until it serves."""
     model_dir = model_dir or write_model(heavy=heavy)
