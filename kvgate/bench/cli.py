@@ -50,7 +50,7 @@ _CPU_TOOL = ToolLatency(fast_median_s=0.2, slow_median_s=1.5, slow_frac=0.0,
 SCENARIOS: dict[str, Scenario] = {
     # Working set several times the pool: the regime kvgate exists for.
     "default": Scenario(
-        description="KV pressure: the sessions' final contexts add up to ~3.5x the KV pool",
+        description="KV pressure: the sessions' final contexts add up to ~3x the KV pool",
         profile="gpu-h100-30b", sessions=40, turns="16-32", first_prompt="1500-2500",
         tool_result="100-400", output="30-120", time_scale=0.02),
     # Same session shapes, few enough that every context stays resident.
