@@ -62,7 +62,10 @@ if w and not jget(K.waiters, ticket) then w = nil end
 
 -- rule 2: protected work never waits
 if P.protected == 1 then
-  if w then drop_waiter(ticket, w) end
+  if w then
+    drop_waiter(ticket, w)
+    advance(num(P.reap, 8), nil)
+  end
   stat("bypass"); stat("bypass_protected")
   return out("bypass", "protected")
 end
@@ -151,7 +154,10 @@ end
 local reason = blocked or "queued"
 local max_wait = num(P.max_wait_ms, 30000)
 if (w and NOW - w.e >= max_wait) or (not w and max_wait <= 0) then
-  if w then drop_waiter(ticket, w) end
+  if w then
+    drop_waiter(ticket, w)
+    advance(num(P.reap, 8), snap)  -- the waiters behind it move up now, not at their next poll
+  end
   stat("bypass"); stat("bypass_aged")
   return out("bypass", "aged", { w = w and (NOW - w.e) or 0 })
 end
