@@ -128,6 +128,40 @@ class GateBase:
         }
 
 
+class LeaseBase:
+    """What both lease classes record about a decided attempt."""
+
+    def __init__(self, gate: Any, req: TurnRequest, d: Decision):
+        self._gate = gate
+        self.session_id = req.session_id
+        self.ticket = req.ticket
+        self.turn_index = req.turn_index
+        self.outcome = d.outcome
+        self.reason = d.reason
+        self.waited_s = d.waited_s
+        self.tokens = d.tokens
+        self.epoch = d.epoch
+        self.held = d.held
+        self.released = not d.held
+        self._t0 = time.monotonic()
+
+    @property
+    def admitted(self) -> bool:
+        return self.outcome == "admit"
+
+    def _begin_release(self) -> bool:
+        """Mark released; True when this call must give the lease back."""
+        if self.released:
+            return False
+        self.released = True
+        return True
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(session={self.session_id!r}, outcome={self.outcome!r}, "
+                f"reason={self.reason!r}, waited_s={self.waited_s:.3f}, tokens={self.tokens}, "
+                f"ticket={self.ticket!r})")
+
+
 def engine_urls_from(config: GateConfig, engines_json: Any) -> list[str]:
     if config.engine_urls:
         return list(config.engine_urls)

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Sequence
 import redis
 import redis.asyncio as aioredis
 
-from ._base import GateBase, engine_urls_from
+from ._base import GateBase, LeaseBase, engine_urls_from
 from ._flow import Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow
 from .config import GateConfig
 from .errors import KvgateError
@@ -19,38 +19,15 @@ from .snapshot import EngineState, SnapshotResult
 REDIS_ERRORS = (redis.RedisError, OSError, asyncio.TimeoutError)
 
 
-class AsyncLease:
+class AsyncLease(LeaseBase):
     """An admitted / bypassed / passed-through turn. ``await lease.release()`` is idempotent."""
 
-    def __init__(self, gate: "AsyncGate", req: TurnRequest, d: Decision):
-        self._gate = gate
-        self.session_id = req.session_id
-        self.ticket = req.ticket
-        self.turn_index = req.turn_index
-        self.outcome = d.outcome
-        self.reason = d.reason
-        self.waited_s = d.waited_s
-        self.tokens = d.tokens
-        self.epoch = d.epoch
-        self.held = d.held
-        self.released = not d.held
-        self._t0 = time.monotonic()
-
-    @property
-    def admitted(self) -> bool:
-        return self.outcome == "admit"
-
     async def release(self) -> bool:
-        if self.released:
+        if not self._begin_release():
             return False
-        self.released = True
         # shielded: a cancelled caller still gives its lease back
         return await asyncio.shield(self._gate._release(self.ticket, time.monotonic() - self._t0,
                                                         self.turn_index))
-
-    def __repr__(self) -> str:
-        return (f"AsyncLease(session={self.session_id!r}, outcome={self.outcome!r}, reason={self.reason!r}, "
-                f"waited_s={self.waited_s:.3f}, tokens={self.tokens}, ticket={self.ticket!r})")
 
 
 class _AsyncListener:

@@ -9,7 +9,7 @@ from typing import Any, Iterator, Sequence
 
 import redis
 
-from ._base import GateBase, engine_urls_from
+from ._base import GateBase, LeaseBase, engine_urls_from
 from ._flow import Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow
 from .config import GateConfig
 from .probe import UNAVAILABLE, ProbeResult, coerce
@@ -18,38 +18,15 @@ from .snapshot import EngineState, SnapshotResult
 REDIS_ERRORS = (redis.RedisError, OSError)
 
 
-class Lease:
+class Lease(LeaseBase):
     """What an admitted (or bypassed, or passed-through) turn holds. ``release()`` is
     idempotent; only an ``admit`` holds anything in Redis."""
 
-    def __init__(self, gate: "Gate", req: TurnRequest, d: Decision):
-        self._gate = gate
-        self.session_id = req.session_id
-        self.ticket = req.ticket
-        self.turn_index = req.turn_index
-        self.outcome = d.outcome
-        self.reason = d.reason
-        self.waited_s = d.waited_s
-        self.tokens = d.tokens
-        self.epoch = d.epoch
-        self.held = d.held
-        self.released = not d.held
-        self._t0 = time.monotonic()
-
-    @property
-    def admitted(self) -> bool:
-        return self.outcome == "admit"
-
     def release(self) -> bool:
         """Give the lease back (turns an ownership window idle). Never raises on faults."""
-        if self.released:
+        if not self._begin_release():
             return False
-        self.released = True
         return self._gate._release(self.ticket, time.monotonic() - self._t0, self.turn_index)
-
-    def __repr__(self) -> str:
-        return (f"Lease(session={self.session_id!r}, outcome={self.outcome!r}, reason={self.reason!r}, "
-                f"waited_s={self.waited_s:.3f}, tokens={self.tokens}, ticket={self.ticket!r})")
 
 
 class _Listener:
