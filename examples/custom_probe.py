@@ -39,7 +39,6 @@ import json
 import random
 import sys
 import threading
-import time
 from collections import OrderedDict
 from typing import Sequence
 

@@ -15,7 +15,7 @@ It returns a ``Decision`` or raises ``Preempted`` / ``AdmissionCancelled`` /
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Generator, Sequence
 
 from .config import GateConfig

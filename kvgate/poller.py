@@ -46,7 +46,7 @@ from kvgate.discovery import (
     HttpError,
     fetch_limited,
 )
-from kvgate.promparse import EngineMetrics, MetricsParseError, RankMetrics, parse_metrics
+from kvgate.promparse import EngineMetrics, MetricsParseError, parse_metrics
 
 log = logging.getLogger("kvgate.poller")
 

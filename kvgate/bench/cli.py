@@ -8,9 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -391,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
             pool = env.pool_tokens
         caps = _parse_caps(args.caps) if args.caps else default_caps(workload, pool)
         policies = parse_policies(args.policies, caps)
-        base_cfg = base_gate_config(args) if any(p.kind == "gate" for p in policies) else None
+        base_cfg = base_gate_config(args)  # validated even when no gate policy runs: bad flags are errors
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         return 2

@@ -20,10 +20,9 @@ import asyncio
 import contextlib
 import inspect
 import math
-import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from .engines import Counters, EngineClient
 from .workload import Workload, session_tokens
