@@ -22,20 +22,7 @@ from typing import Sequence
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-try:  # long token-id lists: orjson is several times faster than json (optional)
-    import orjson as _orjson
-
-    def _dumps(o) -> bytes:
-        return _orjson.dumps(o)
-
-    _loads = _orjson.loads
-except ImportError:  # pragma: no cover
-    import json as _json
-
-    def _dumps(o) -> bytes:
-        return _json.dumps(o, separators=(",", ":")).encode()
-
-    _loads = _json.loads
+from .._json import dumps as _dumps, loads as _loads
 
 _JSON = {"content-type": "application/json"}
 

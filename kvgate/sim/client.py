@@ -5,22 +5,7 @@ import asyncio
 from typing import Any, List
 from urllib.parse import urlsplit
 
-try:
-    import orjson as _orjson
-
-    def _dumps(o: Any) -> bytes:
-        return _orjson.dumps(o)
-
-    def _loads(b: bytes) -> Any:
-        return _orjson.loads(b)
-except ImportError:  # pragma: no cover
-    import json as _json
-
-    def _dumps(o: Any) -> bytes:
-        return _json.dumps(o, separators=(",", ":")).encode()
-
-    def _loads(b: bytes) -> Any:
-        return _json.loads(b)
+from .._json import dumps as _dumps, loads as _loads
 
 
 class HttpPool:

@@ -18,25 +18,9 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from .._json import dumps as _dumps, loads as _loads
 from .engine import SimEngine
 from .scheduler import Req
-
-try:  # orjson is much faster on long token lists; optional
-    import orjson as _orjson
-
-    def _loads(b: bytes) -> Any:
-        return _orjson.loads(b)
-
-    def _dumps(o: Any) -> bytes:
-        return _orjson.dumps(o)
-except ImportError:  # pragma: no cover
-    import json as _json
-
-    def _loads(b: bytes) -> Any:
-        return _json.loads(b)
-
-    def _dumps(o: Any) -> bytes:
-        return _json.dumps(o, separators=(",", ":")).encode()
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
