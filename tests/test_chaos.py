@@ -27,6 +27,7 @@ import kvgate
 from kvgate._base import BREAKER_S
 
 from conftest import start_redis
+from test_poller_support import wait_until as _wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_real]
 
@@ -61,15 +62,8 @@ def bounded(fn, *args, timeout: float = HANG_S, **kw):
         ex.shutdown(wait=False)
 
 
-def wait_until(pred, timeout: float = HANG_S, step: float = 0.02, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(step)
+def wait_until(pred, timeout: float = HANG_S, what: str = "condition"):
+    return _wait_until(pred, timeout=timeout, interval=0.02, what=what)
 
 
 def _ledger_consistent(r: redis.Redis, g) -> int:

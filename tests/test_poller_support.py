@@ -156,14 +156,16 @@ def sglang_metrics(capacity: int, used: int, *, running: int = 1, queued: int = 
     return "\n".join(lines) + "\n"
 
 
-def wait_until(pred: Callable[[], object], timeout: float = 10.0, interval: float = 0.05):
+def wait_until(pred: Callable[[], object], timeout: float = 10.0, interval: float = 0.05,
+               what: str = "condition"):
+    """Poll ``pred`` until it returns something truthy (returned), failing after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
         v = pred()
         if v:
             return v
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
 
 
