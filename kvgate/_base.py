@@ -60,6 +60,12 @@ class GateBase:
             if d.outcome == "bypass":
                 self._local["bypass_" + d.reason] += 1
 
+    def _count_unseen(self, d: Decision) -> None:
+        """Count the outcomes Redis could not: pass-through, and bypasses decided without it
+        (Redis unreachable; those carry no epoch)."""
+        if d.outcome == "pass" or (d.outcome == "bypass" and d.epoch < 0):
+            self._count_local(d)
+
     def _request(self, session_id: Any, kw: dict) -> TurnRequest:
         req = build_request(self.config, session_id, **kw)
         if req.turn_index is None:

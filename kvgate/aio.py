@@ -154,8 +154,7 @@ class AsyncGate(GateBase):
                                              retain_session=retain_session, turn_index=turn_index,
                                              timeout_s=timeout_s))
         d = await self._drive(req, abort_event)
-        if d.outcome == "pass" or (d.outcome == "bypass" and d.epoch < 0):
-            self._count_local(d)
+        self._count_unseen(d)
         return AsyncLease(self, req, d)
 
     @contextlib.asynccontextmanager

@@ -170,24 +170,18 @@ class Gate(GateBase):
                                              retain_session=retain_session, turn_index=turn_index,
                                              timeout_s=timeout_s))
         d = self._drive(req, abort_event)
-        if not d.held:
-            self._count_local_if_needed(d)
-        lease = Lease(self, req, d)
-        if d.outcome != "pass":
-            with self._inflight_cv:
-                self._inflight[req.session_id] = self._inflight.get(req.session_id, 0) + 1
-        return lease
-
-    def _count_local_if_needed(self, d: Decision) -> None:
-        # Redis counted bypasses it decided; count here only what it could not see
-        if d.outcome == "pass" or (d.outcome == "bypass" and d.epoch < 0):
-            self._count_local(d)
+        self._count_unseen(d)
+        return Lease(self, req, d)
 
     @contextlib.contextmanager
     def turn(self, session_id: str, **kw: Any) -> Iterator[Lease]:
         """``with gate.turn(sid, prompt_ids=ids, max_new_tokens=n) as lease:`` wraps one
         engine call; the lease is released when the block exits, however it exits."""
         lease = self.acquire(session_id, **kw)
+        if lease.outcome != "pass":
+            # counted here, not in acquire(): only turn() knows when the engine call ends
+            with self._inflight_cv:
+                self._inflight[lease.session_id] = self._inflight.get(lease.session_id, 0) + 1
         try:
             yield lease
         finally:
