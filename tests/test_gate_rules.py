@@ -677,3 +677,14 @@ def test_windows_may_grow_past_the_ceiling_until_capacity(backend, clock):
     g.acquire("a", prompt_tokens=900, max_new_tokens=0).release()  # 1100 > capacity: trim
     assert {k.decode() for k in g.redis.hkeys(g.key("windows"))} == {"a"}  # b, younger, revoked
     assert ledger(g) == 900
+
+
+def test_lifecycle_join_ignores_turns_released_by_hand(backend, clock):
+    # acquire()/release() without turn(): nothing stays "in flight" for finish_session to join
+    g = mkgate(backend, clock, session_lifecycle=True, close_timeout_s=5.0)
+    g.write_snapshot(engines())
+    g.acquire("s", prompt_tokens=10, max_new_tokens=1).release()
+    with g.turn("s", prompt_tokens=12, max_new_tokens=1):
+        pass
+    out = g.finish_session("s")
+    assert out["joined"] is True and out["close"]["attempts"] == 1  # one engine URL in the snapshot
