@@ -15,6 +15,7 @@ from .config import GateConfig
 from .errors import KvgateError
 from .probe import UNAVAILABLE, ProbeResult, coerce
 from .snapshot import EngineState, SnapshotResult
+from ._aio import wait_for
 
 REDIS_ERRORS = (redis.RedisError, OSError, asyncio.TimeoutError)
 
@@ -72,7 +73,7 @@ class _AsyncListener:
             finally:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
-                        await asyncio.wait_for(pubsub.aclose(), 1.0)
+                        await wait_for(pubsub.aclose(), 1.0)
 
     def _dispatch(self, msg: dict) -> None:
         data = msg.get("data")
@@ -90,7 +91,7 @@ class _AsyncListener:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(BaseException):
-                await asyncio.wait_for(self._task, 2.0)
+                await wait_for(self._task, 2.0)
             self._task = None
 
 
@@ -133,7 +134,7 @@ class AsyncGate(GateBase):
         if self._breaker_open():
             raise RedisDown("breaker open after a recent Redis fault")
         try:
-            raw = await asyncio.wait_for(self._scripts[name](keys=self._keys, args=self._args(params)),
+            raw = await wait_for(self._scripts[name](keys=self._keys, args=self._args(params)),
                                          self.config.redis_timeout_s * 2 + 0.5)
         except REDIS_ERRORS as e:
             self._trip()
@@ -251,10 +252,10 @@ class AsyncGate(GateBase):
             return UNAVAILABLE
         try:
             if hasattr(probe, "aprobe"):
-                r = await asyncio.wait_for(probe.aprobe(req.session_id, req.prompt_ids),
+                r = await wait_for(probe.aprobe(req.session_id, req.prompt_ids),
                                            self.config.probe_timeout_s)
             elif hasattr(probe, "probe"):
-                r = await asyncio.wait_for(asyncio.to_thread(probe.probe, req.session_id, req.prompt_ids),
+                r = await wait_for(asyncio.to_thread(probe.probe, req.session_id, req.prompt_ids),
                                            self.config.probe_timeout_s)
             else:
                 return UNAVAILABLE

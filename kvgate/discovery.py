@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from ._aio import wait_for
+
 __all__ = [
     "Endpoint",
     "DiscoveryError",
@@ -119,7 +121,7 @@ async def fetch_limited(
             return b"".join(chunks)
 
     try:
-        return await asyncio.wait_for(_go(), timeout=timeout_s)
+        return await wait_for(_go(), timeout=timeout_s)
     except HttpError:
         raise
     except asyncio.TimeoutError:

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from .engines import Counters, EngineClient
 from .workload import Workload, session_tokens
+from .._aio import wait_for
 
 __all__ = ["Policy", "parse_policies", "TurnRecord", "PolicyResult", "EngineEnv", "run_policy",
            "scaled_gate_config", "GATE_POLICIES"]
@@ -246,7 +247,7 @@ class _PollerHandle:
     async def aclose(self) -> None:
         self.poller.stop()
         try:
-            await asyncio.wait_for(self.task, 5.0)
+            await wait_for(self.task, 5.0)
         except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
             self.task.cancel()
         with contextlib.suppress(Exception):
@@ -316,9 +317,16 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
 
     gate_samples: list[dict] = []
 
+    stop_sampling = asyncio.Event()
+
     async def sampler(gate) -> None:
-        while True:
-            await asyncio.sleep(sample_interval_s)
+        # stops on the event, not only on cancel: a cancel that lands while an awaited call
+        # completes can be lost (see kvgate/_aio.py), and the run would never end
+        while not stop_sampling.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await wait_for(stop_sampling.wait(), sample_interval_s)
+            if stop_sampling.is_set():
+                break
             c = await client.counters() - base
             samples.append((loop.time() - t0, c.hits, c.queries))
             with contextlib.suppress(Exception):
@@ -404,12 +412,13 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
         t0 = loop.time()
         samp = asyncio.create_task(sampler(gate))
         try:
-            await asyncio.wait_for(asyncio.gather(*(session(s, gate) for s in workload.sessions)),
+            await wait_for(asyncio.gather(*(session(s, gate) for s in workload.sessions)),
                                    timeout=step_timeout_s)
         finally:
+            stop_sampling.set()
             samp.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await samp
+                await wait_for(samp, 10.0)
         return loop.time() - t0
 
     step: dict = {}

@@ -38,6 +38,7 @@ from kvgate.integrations._common import (
     PROBE_METHOD, USAGE_METHOD, ProbeResult, best_of, check_prompt_ids, check_session_id, check_timeout,
     parse_probe_payload, to_result, unavailable,
 )
+from kvgate._aio import wait_for
 
 _NOT_LOADED_HINT = ("kvgate plugin not loaded in EngineCore: install kvgate in the engine's environment "
                     "and leave VLLM_PLUGINS unset or include 'kvgate'")
@@ -157,11 +158,11 @@ class InProcessVllmProbe:
         try:
             if self.mode == "async":
                 self.loop = asyncio.get_running_loop()
-                answers = await asyncio.wait_for(self._async_call(PROBE_METHOD, (ids,)), self.timeout_s)
+                answers = await wait_for(self._async_call(PROBE_METHOD, (ids,)), self.timeout_s)
             elif self.mode == "direct":
                 answers = [self._direct(PROBE_METHOD, (ids,))]
             else:
-                answers = await asyncio.wait_for(
+                answers = await wait_for(
                     asyncio.to_thread(self._sync_call, PROBE_METHOD, (ids,), self.timeout_s), self.timeout_s + 0.1)
             return self._interpret(answers, len(ids), t0)
         except Exception as e:  # noqa: BLE001
@@ -183,7 +184,7 @@ class InProcessVllmProbe:
     async def ausage(self) -> dict:
         from kvgate.integrations.vllm_plugin import merge_usage
         if self.mode == "async":
-            return merge_usage(await asyncio.wait_for(self._async_call(USAGE_METHOD, ()), self.timeout_s))
+            return merge_usage(await wait_for(self._async_call(USAGE_METHOD, ()), self.timeout_s))
         return await asyncio.to_thread(self.usage)
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ import os
 from typing import Any
 
 from kvgate.integrations._common import PROBE_METHOD, USAGE_METHOD, check_prompt_ids
+from kvgate._aio import wait_for
 
 logger = logging.getLogger("kvgate.vllm_plugin")
 
@@ -258,7 +259,7 @@ def attach_routes(app: Any, timeout_s: float = 5.0, token: str | None = None) ->
             return err(503, "no engine behind this server")
         args = (ids,) if salt is None else (ids, salt)
         try:
-            answers = await asyncio.wait_for(call_all_engines(core, PROBE_METHOD, *args), timeout_s)
+            answers = await wait_for(call_all_engines(core, PROBE_METHOD, *args), timeout_s)
         except asyncio.TimeoutError:
             return err(504, f"engine did not answer within {timeout_s}s")
         except Exception as e:  # noqa: BLE001
@@ -272,7 +273,7 @@ def attach_routes(app: Any, timeout_s: float = 5.0, token: str | None = None) ->
         if core is None:
             return err(503, "no engine behind this server")
         try:
-            answers = await asyncio.wait_for(call_all_engines(core, USAGE_METHOD), timeout_s)
+            answers = await wait_for(call_all_engines(core, USAGE_METHOD), timeout_s)
         except asyncio.TimeoutError:
             return err(504, f"engine did not answer within {timeout_s}s")
         except Exception as e:  # noqa: BLE001

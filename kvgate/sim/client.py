@@ -6,6 +6,7 @@ from typing import Any, List
 from urllib.parse import urlsplit
 
 from .._json import dumps as _dumps, loads as _loads
+from .._aio import wait_for
 
 
 class HttpPool:
@@ -32,7 +33,7 @@ class HttpPool:
                 reader, writer = self.idle.pop()
             else:
                 try:
-                    reader, writer = await asyncio.wait_for(
+                    reader, writer = await wait_for(
                         asyncio.open_connection(self.host, self.port), 2.0)
                 except (OSError, asyncio.TimeoutError) as e:
                     raise ConnectionError(f"connect to {self.host}:{self.port} failed: {e}") from None
@@ -40,7 +41,7 @@ class HttpPool:
                 writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d\r\n\r\n" % (path.encode(), self.hosthdr, len(body)))
                 writer.write(body)
-                res = await asyncio.wait_for(self._read(reader), self.timeout_s)
+                res = await wait_for(self._read(reader), self.timeout_s)
             except (OSError, EOFError, asyncio.IncompleteReadError, ValueError) as e:
                 writer.close()
                 if reused and attempt == 0 and isinstance(e, (asyncio.IncompleteReadError, EOFError,

@@ -32,6 +32,7 @@ from .engine import SimEngine
 from .http import build_engine_app
 from .profile import Profile, load_profile
 from .router import SimRouter
+from .._aio import wait_for
 
 LOOPBACK = "127.0.0.1"
 
@@ -73,7 +74,7 @@ class _Served:
         self.server.should_exit = True
         if self.task is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(self.task), timeout)
+                await wait_for(asyncio.shield(self.task), timeout)
             except asyncio.TimeoutError:
                 self.server.force_exit = True
                 self.task.cancel()
