@@ -101,3 +101,52 @@ def test_counters_aggregate_ranks_by_max_and_sources_by_sum():
     v = parse_counters("vllm:prefix_cache_queries_total{engine=\"0\"} 50\n"
                        "vllm:prefix_cache_hits_total{engine=\"0\"} 20\n", VLLM_COUNTERS)
     assert v.hit_rate == pytest.approx(0.4)
+
+
+def test_policy_knobs_parse_and_apply():
+    from kvgate import GateConfig
+    from kvgate.bench.runner import scaled_gate_config
+
+    ps = parse_policies("none,kvgate,kvgate[max_wait_s=600,headroom=0.8],admission[scope=all]", [])
+    assert [p.name for p in ps] == ["none", "kvgate", "kvgate[max_wait_s=600,headroom=0.8]", "admission[scope=all]"]
+    assert ps[2].knobs == (("max_wait_s", 600), ("headroom", 0.8))
+    cfg = scaled_gate_config(GateConfig(), ps[2], 0.5)
+    assert (cfg.admission, cfg.residency, cfg.headroom, cfg.max_wait_s) == (True, True, 0.8, 300.0)
+    assert scaled_gate_config(GateConfig(), ps[3], 1.0).scope == "all"
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("kvgate[max_wait_s=600", "unbalanced"),
+    ("kvgate]", "unbalanced"),
+    ("cap-3[max_wait_s=1]", "follow a gate policy"),
+    ("kvgate[bogus=1]", "unknown knob 'bogus'"),
+    ("kvgate[admission=false]", "unknown knob 'admission'"),
+    ("kvgate[max_wait_s]", "NAME=VALUE"),
+    ("kvgate[x=1]tail", "close the name"),
+])
+def test_bad_policy_knobs_are_clear_errors(text, needle):
+    with pytest.raises(ValueError, match=needle.replace("[", r"\[")):
+        parse_policies(text, [])
+
+
+def test_bad_policy_knob_value_fails_before_the_run(tmp_path, capsys):
+    from kvgate.bench.cli import main
+
+    rc = main(["--policies", "kvgate[headroom=2]", "--sessions", "2", "--turns", "2", "--no-progress",
+               "--no-plots", "--out", str(tmp_path)])
+    assert rc == 2
+    assert "headroom" in capsys.readouterr().out
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_a_policy_with_its_own_knobs_runs_beside_the_default(tmp_path, redis_url):
+    rc, data, _ = _run(tmp_path, "--redis", redis_url, "--policies", "kvgate,kvgate[max_wait_s=0,idle_grace_s=0]",
+                       "--no-plots")
+    assert rc == 0
+    by = {p["policy"]: p for p in data["policies"]}
+    assert set(by) == {"kvgate", "kvgate[max_wait_s=0,idle_grace_s=0]"}
+    for p in by.values():
+        assert p["errors"] == 0 and p["turns_done"] == data["workload"]["turns"]
+    knobbed = by["kvgate[max_wait_s=0,idle_grace_s=0]"]["gate"]["config"]
+    assert knobbed["max_wait_s"] == 0 and knobbed["idle_grace_s"] == 0
+    assert by["kvgate"]["gate"]["config"]["max_wait_s"] > 0

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from .engines import EngineClient, make_client
 from .report import checks, render_table, summarize, write_json, write_plots
-from .runner import EngineEnv, Policy, parse_policies, run_policy
+from .runner import EngineEnv, Policy, coerce_knob, parse_policies, run_policy, scaled_gate_config
 from .workload import VOCAB_DEFAULT, ToolLatency, Workload, WorkloadSpec, generate, load_trace, parse_range
 
 __all__ = ["add_arguments", "run", "main", "SCENARIOS", "build_parser"]
@@ -105,7 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pol = p.add_argument_group("policies")
     pol.add_argument("--policies", default="none,cap,admission,residency,kvgate",
                      help="comma list of none, cap (sweep --caps), cap-N, turncap-N, admission, residency, "
-                          "kvgate (default: %(default)s)")
+                          "kvgate; a gate policy may set its own knobs, e.g. 'kvgate[max_wait_s=600]' "
+                          "(default: %(default)s)")
     pol.add_argument("--caps", help="caps to sweep for 'cap', e.g. 4,8,16 (default: derived from the pool: "
                                     "half, one and two times the sessions whose final context fits)")
 
@@ -145,22 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _coerce(v: str) -> Any:
-    low = v.lower()
-    if low in ("true", "on", "yes"):
-        return True
-    if low in ("false", "off", "no"):
-        return False
-    if low in ("none", "null"):
-        return None
-    for t in (int, float):
-        try:
-            return t(v)
-        except ValueError:
-            pass
-    return v
-
-
 def base_gate_config(args: argparse.Namespace) -> Any:
     import kvgate
 
@@ -174,7 +159,7 @@ def base_gate_config(args: argparse.Namespace) -> Any:
         name, sep, val = item.partition("=")
         if not sep or not name:
             raise ValueError(f"--knob expects NAME=VALUE, got {item!r}")
-        kw[name.strip()] = _coerce(val.strip())
+        kw[name.strip()] = coerce_knob(val.strip())
     if kw:
         try:
             cfg = replace(cfg, **kw)
@@ -390,6 +375,9 @@ def run(args: argparse.Namespace) -> int:
         caps = _parse_caps(args.caps) if args.caps else default_caps(workload, pool)
         policies = parse_policies(args.policies, caps)
         base_cfg = base_gate_config(args)  # validated even when no gate policy runs: bad flags are errors
+        for p in policies:  # a policy's own knobs are checked now, not when its turn comes
+            if p.kind == "gate":
+                scaled_gate_config(base_cfg, p, time_scale)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         return 2

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import inspect
 import math
+import re
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -45,15 +46,86 @@ class Policy:
     cap: int | None = None
     admission: bool = False
     residency: bool = False
+    knobs: tuple = ()  # (name, value) GateConfig overrides of this policy only
+
+
+def coerce_knob(v: str) -> Any:
+    """A knob value from text: bools, None, int, float, else the string."""
+    low = v.lower()
+    if low in ("true", "on", "yes"):
+        return True
+    if low in ("false", "off", "no"):
+        return False
+    if low in ("none", "null"):
+        return None
+    for t in (int, float):
+        try:
+            return t(v)
+        except ValueError:
+            pass
+    return v
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside brackets: ``none,kvgate[max_wait_s=600,headroom=0.8]``."""
+    items, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in policies {text!r}")
+        if ch == "," and depth == 0:
+            items.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if depth != 0:
+        raise ValueError(f"unbalanced '[' in policies {text!r}")
+    items.append("".join(cur))
+    return items
+
+
+def _policy_knobs(name: str, body: str) -> tuple:
+    from dataclasses import fields
+
+    import kvgate
+
+    known = {f.name for f in fields(kvgate.GateConfig)} - {"admission", "residency"}
+    out = []
+    for item in body.split(","):
+        k, sep, v = item.partition("=")
+        k = k.strip()
+        if not sep or not k:
+            raise ValueError(f"bad policy {name!r}: expected NAME=VALUE inside [...], got {item.strip()!r}")
+        if k not in known:
+            raise ValueError(f"bad policy {name!r}: unknown knob {k!r} (admission and residency are set by "
+                             f"the policy's base name)")
+        out.append((k, coerce_knob(v.strip())))
+    return tuple(out)
 
 
 def parse_policies(text: str | Sequence[str], caps: Sequence[int]) -> list[Policy]:
-    """``none,cap,admission,residency,kvgate`` -> policies; ``cap`` expands to one per cap."""
-    items = text.split(",") if isinstance(text, str) else list(text)
+    """``none,cap,admission,residency,kvgate`` -> policies; ``cap`` expands to one per cap.
+
+    A gate policy may carry its own knobs: ``kvgate[max_wait_s=600,idle_grace_s=120]`` runs
+    the full gate with those two knobs changed (in unscaled seconds, like ``--knob``), so
+    several settings can be compared side by side in one run."""
+    items = _split_top(text) if isinstance(text, str) else list(text)
     out: list[Policy] = []
     for raw in items:
         name = raw.strip()
         if not name:
+            continue
+        if "[" in name:
+            base, _, rest = name.partition("[")
+            if not rest.endswith("]") or base.strip() not in GATE_POLICIES:
+                raise ValueError(f"bad policy {name!r}: knobs in [...] follow a gate policy "
+                                 f"(admission, residency, kvgate) and close the name")
+            adm, res = GATE_POLICIES[base.strip()]
+            out.append(Policy(name, "gate", admission=adm, residency=res,
+                              knobs=_policy_knobs(name, rest[:-1])))
             continue
         if name == "none":
             out.append(Policy("none", "none"))
@@ -137,6 +209,11 @@ def scaled_gate_config(base: Any, policy: Policy, time_scale: float, scale_knobs
     the same as in an unscaled run.  ``staleness_s`` and ``lease_ttl_s`` are safety
     timeouts, not dynamics, and stay as they are.
     """
+    if policy.knobs:
+        try:
+            base = replace(base, **dict(policy.knobs))
+        except TypeError as e:
+            raise ValueError(f"policy {policy.name!r}: {e}") from None
     kw = {"admission": policy.admission, "residency": policy.residency}
     if scale_knobs and time_scale != 1.0:
         for k in ("idle_grace_s", "max_wait_s", "wait_poll_s"):
@@ -203,7 +280,8 @@ async def _gate_for(policy: Policy, redis_url: str, base_cfg: Any, client: Engin
 
     cfg = scaled_gate_config(base_cfg, policy, time_scale, scale_knobs)
     probe = _make_probe(client, getattr(cfg, "probe_timeout_s", 0.5)) if policy.residency else None
-    name = f"bench-{policy.name}-{uuid.uuid4().hex[:8]}"
+    safe = re.sub(r"[^A-Za-z0-9._:-]+", "_", policy.name).strip("_")[:80]
+    name = f"bench-{safe}-{uuid.uuid4().hex[:8]}"
     gate = kvgate.AsyncGate.from_url(redis_url, gate=name, config=cfg, probe=probe)
     feeder_task = None
     poller = None
