@@ -159,6 +159,16 @@ def acquire_flow(cfg: GateConfig, req: TurnRequest, knobs: dict, has_probe: bool
         elif o == "wait":
             now = clock()
             if now >= hard_deadline:
+                if params.get("age") != 1:
+                    # this process's clock says the wait is over while the script's (Redis
+                    # time, from the enqueue) does not yet: ask the script to age it now, so
+                    # an aged turn is decided there like any other (lease and window, or bypass)
+                    params["age"] = 1
+                    try:
+                        r = yield Eval("acquire", params)
+                    except RedisDown:
+                        return degraded()
+                    continue
                 yield from _cancel(req, aged=True)
                 return Decision("bypass", "aged", now - start, epoch=0)
             if req.timeout_s is not None and now - start >= req.timeout_s:

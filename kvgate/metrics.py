@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 P = "agentic_kv/"
-ADMIT_REASONS = ("open", "reserved_session", "resident_prefix", "prefix_probe_unavailable")
+ADMIT_REASONS = ("open", "reserved_session", "resident_prefix", "prefix_probe_unavailable", "aged")
 BYPASS_REASONS = ("protected", "degraded", "aged")
 WAIT_REASONS = ("pressure_guard", "capacity_exhausted", "queued", "cold_prefix")
 

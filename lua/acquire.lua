@@ -8,9 +8,12 @@
     protected (0/1), retain (0/1 open an ownership window when admitted under pressure),
     probe (float): -1 not probed yet, -2 probe unavailable / not configured, else hit ratio 0..1,
     adm, res, hw, pt, hit (hit_threshold), headroom, stale_ms, ttl_ms, grace_ms, claim_ms,
-    max_wait_ms (aging), alive_ms (a waiter's liveness extension), reap (bounded work), ch (channel).
+    max_wait_ms (aging), alive_ms (a waiter's liveness extension), reap (bounded work), ch (channel),
+    age (optional 1: the caller's clock says this attempt waited max_wait_s; age it now).
   Returns JSON {o=outcome, r=reason, w=waited ms, t=charged tokens, ep=epoch, pos=FIFO position}
     o = "admit" | "bypass" | "wait" | "probe" (enqueued; probe and call again) | "preempted"
+    (an aged waiter is admitted, reason "aged", when admission, residency and retain are on;
+    otherwise it bypasses, reason "aged")
   Publishes: "p <ticket>" when it preempts an older waiting attempt of the same session,
     "g <ticket>" for FIFO heads granted by the bounded advance.
 ]]
@@ -150,10 +153,18 @@ if band then
   end
 end
 
--- rule 9: wait in the global FIFO, or bypass once older than max_wait
+-- rule 9: wait in the global FIFO, or leave it once older than max_wait
 local reason = blocked or "queued"
 local max_wait = num(P.max_wait_ms, 30000)
-if (w and NOW - w.e >= max_wait) or (not w and max_wait <= 0) then
+if P.age == 1 or (w and NOW - w.e >= max_wait) or (not w and max_wait <= 0) then
+  if P.adm == 1 and P.res == 1 and P.retain == 1 then
+    -- aged, both features on: the turn enters with a lease and a window instead of running
+    -- uncounted, and idle windows that have waited longest on their tools give way to it
+    -- (docs/decisions.md). An uncounted bypass would run cold every max_wait_s and evict
+    -- the prefixes the windows were holding; this way its next turns are warm and counted.
+    evict_idle(snap, need, num(P.reap, 8))
+    return admitted("aged", "open")
+  end
   if w then
     drop_waiter(ticket, w)
     advance(num(P.reap, 8), snap)  -- the waiters behind it move up now, not at their next poll

@@ -250,18 +250,104 @@ def test_failed_probe_with_admission_waits(backend, clock):
     g = mkgate(backend, clock, probe=FakeProbe(raises=RuntimeError("x")), max_wait_s=0.0)
     g.write_snapshot(engines(usage=0.88))
     lease = g.acquire("s", prompt_ids=[1] * 10, max_new_tokens=1)
-    assert (lease.outcome, lease.reason) == ("bypass", "aged")  # it would have waited
+    assert lease.reason == "aged"  # it would have waited (max_wait_s 0: aged at once), not rule 8
 
 
 # -- waiting: aging, grants, preemption, cancellation --------------------------------------
-def test_aged_bypass_after_max_wait(backend):
+def test_aged_admission_after_max_wait(backend):
+    # both features on: an aged waiter enters with a lease and a window (docs/decisions.md)
     g = mkgate(backend, max_wait_s=0.5, wait_poll_s=0.1)
     g.write_snapshot(engines(usage=0.95))
     t0 = time.monotonic()
-    lease = g.acquire("s", prompt_tokens=1, max_new_tokens=1)
-    assert (lease.outcome, lease.reason) == ("bypass", "aged")
+    lease = g.acquire("s", prompt_tokens=7, max_new_tokens=1)
+    assert (lease.outcome, lease.reason, lease.held) == ("admit", "aged", True)
     assert 0.5 <= time.monotonic() - t0 < 0.5 + 0.1 + 2.0  # bound, with scheduler slack
+    assert lease.waited_s >= 0.5
     assert g.redis.zcard(g.key("fifo")) == 0
+    assert ledger(g) == 8 and g.redis.hexists(g.key("windows"), "s")
+    lease.release()
+    assert ledger(g) == 8  # its window idles, charged; the next turn is reserved_session
+    nxt = g.acquire("s", prompt_tokens=9, max_new_tokens=1)
+    assert nxt.reason == "reserved_session"
+    nxt.release()
+    g.finish_session("s")
+    assert ledger(g) == 0
+    m = g.step_metrics()
+    assert m["agentic_kv/admission/admit_aged"] == 1 and m["agentic_kv/admission/bypass_aged"] == 0
+
+
+@pytest.mark.parametrize("cfg, kw", [(dict(residency=False), {}), (dict(), dict(retain_session=False))],
+                         ids=["admission-only", "no-retain"])
+def test_aged_bypass_without_a_window_to_give(backend, cfg, kw):
+    # the SPEC's aged bypass stays where no window could be opened
+    g = mkgate(backend, max_wait_s=0.3, wait_poll_s=0.1, **cfg)
+    g.write_snapshot(engines(usage=0.95))
+    lease = g.acquire("s", prompt_tokens=1, max_new_tokens=1, **kw)
+    assert (lease.outcome, lease.reason, lease.held) == ("bypass", "aged", False)
+    assert ledger(g) == 0 and g.redis.zcard(g.key("fifo")) == 0
+
+
+@pytest.mark.parametrize("residency, expect", [(True, ("admit", "aged", True)), (False, ("bypass", "aged", False))])
+def test_local_clock_ages_a_wait_the_script_clock_does_not(backend, clock, residency, expect):
+    # the script's clock is frozen (a misbehaving Redis clock): the caller's own deadline
+    # (max_wait_s + one poll) asks the script to age the attempt, which decides it as usual
+    g = mkgate(backend, clock, max_wait_s=0.3, wait_poll_s=0.1, residency=residency)
+    g.write_snapshot(engines(usage=0.95))
+    t0 = time.monotonic()
+    lease = g.acquire("s", prompt_tokens=4, max_new_tokens=1)
+    assert (lease.outcome, lease.reason, lease.held) == expect
+    assert 0.3 <= time.monotonic() - t0 < 0.3 + 0.1 + 2.0
+    assert g.redis.zcard(g.key("fifo")) == 0
+    assert ledger(g) == (5 if residency else 0)
+    lease.release()
+
+
+def test_aged_admission_ends_the_longest_idle_windows_first(backend, clock):
+    g = mkgate(backend, clock, headroom=1.0, idle_grace_s=600, max_wait_s=30)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    for sid in ("a", "b", "c"):  # idle in this order: a has waited longest on its tool
+        g.acquire(sid, prompt_tokens=300, max_new_tokens=0).release()
+        clock.advance(1)
+    busy = g.acquire("d", prompt_tokens=100, max_new_tokens=0)  # held: never given up
+    assert ledger(g) == 1000
+    r = script(g, "acquire", ticket="t", session="new", need=250, probe=-2, retain=1)
+    assert (r["o"], r["r"]) == ("wait", "capacity_exhausted")
+    for _ in range(29):  # the waiter polls once a second; the poller keeps the snapshot fresh
+        clock.advance(1)
+        g.write_snapshot(engines(cap=1000, usage=0.1))
+        r = script(g, "acquire", ticket="t", session="new", need=250, probe=-2, retain=1)
+        assert r["o"] == "wait"  # not yet aged
+    clock.advance(1)
+    r = script(g, "acquire", ticket="t", session="new", need=250, probe=-2, retain=1)
+    assert (r["o"], r["r"], r["w"]) == ("admit", "aged", 30000)
+    windows = {k.decode() for k in g.redis.hkeys(g.key("windows"))}
+    assert windows == {"b", "c", "d", "new"}  # a alone gave way: 300 freed was enough
+    assert ledger(g) == 950
+    assert int(g.redis.hget(g.key("stats"), "window_yielded")) == 1
+    script(g, "release", ticket="t")
+    busy.release()
+    for sid in ("b", "c", "d", "new"):
+        g.finish_session(sid)
+    assert ledger(g) == 0
+
+
+def test_aged_admission_over_commits_when_no_window_is_idle(backend, clock):
+    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
+    r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
+    assert r["o"] == "wait"
+    for _ in range(30):
+        clock.advance(1)
+        g.write_snapshot(engines(cap=1000, usage=0.1))
+        r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
+    assert (r["o"], r["r"]) == ("admit", "aged")  # no wait past max_wait_s, even with no room
+    assert ledger(g) == 1100  # over capacity: the youngest window (new's) is marked revoked
+    script(g, "release", ticket="t")
+    assert not g.redis.hexists(g.key("windows"), "new") and ledger(g) == 900
+    held.release()
+    g.finish_session("a")
+    assert ledger(g) == 0
 
 
 def test_waiter_is_granted_when_a_lease_is_released(backend):

@@ -142,6 +142,7 @@ def _tok(x: float | None) -> str:
 
 def render_table(summary: dict, console: Any = None, scenario: str = "") -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = console or Console()
@@ -153,9 +154,13 @@ def render_table(summary: dict, console: Any = None, scenario: str = "") -> None
                       ("uncached", "right"), ("re-prefill", "right"), ("p50 s", "right"), ("p99 s", "right"),
                       ("late p50 s", "right"), ("waits", "right"), ("preempt", "right"),
                       ("admissions by reason", "left")):
-        t.add_column(col, justify=just)
+        if col == "policy":  # names like kvgate[max_wait_s=600] must stay whole
+            width = max([len(x["policy"]) + 2 for x in summary["policies"]] + [6])
+            t.add_column(col, justify=just, no_wrap=True, min_width=width)
+        else:
+            t.add_column(col, justify=just)
     for x in summary["policies"]:
-        name = x["policy"] + (" *" if x["best_cap"] else "")
+        name = escape(x["policy"]) + (" *" if x["best_cap"] else "")  # [..] is rich markup otherwise
         if x["errors"]:
             name += f" ({x['errors']} err)"
         adm = ", ".join(f"{k} {v}" for k, v in x["admissions"].items()) or "-"

@@ -104,6 +104,24 @@ local function trim(snap, limit)
   return n
 end
 
+-- make room for `need` tokens by ending idle windows, the longest idle first, bounded by
+-- `limit`: a session deep in a long tool call owns the blocks the engines' LRU evicts next
+-- anyway, so its window is the cheapest place to give up. Returns how many ended.
+local function evict_idle(snap, need, limit)
+  local n = 0
+  for _, s in ipairs(redis.call("ZRANGE", K.window_exp, 0, limit - 1)) do
+    if reserved() + need <= snap.ceiling then break end
+    local win = jget(K.windows, s)
+    if win and win.h == 0 then
+      end_window(s, win)
+      stat("window_revoked")
+      stat("window_yielded")
+      n = n + 1
+    end
+  end
+  return n
+end
+
 -- a live window of the current epoch, or nil (stale ones are ended here, lazily)
 local function live_window(session)
   local win = jget(K.windows, session)
