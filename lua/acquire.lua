@@ -172,8 +172,9 @@ if P.age == 1 or (w and NOW - w.e >= max_wait) or (not w and max_wait <= 0) then
   stat("bypass"); stat("bypass_aged")
   return out("bypass", "aged", { w = w and (NOW - w.e) or 0 })
 end
-if band and probe == -1 then
+if band and probe == -1 and (P.adm ~= 1 or reserved() + need <= snap.ceiling) then
   -- rules 1-6 did not decide and a probe could: ask the caller to probe, then call again
+  -- (with admission on, rule 7 needs room in the ledger: without it no answer could admit)
   return out("probe", reason)
 end
 if not w then

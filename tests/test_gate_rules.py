@@ -750,6 +750,21 @@ def test_rule7_waits_when_the_ledger_is_full(backend, clock):
     assert (r["o"], r["r"]) == ("admit", "resident_prefix")  # residency alone: no ledger
 
 
+def test_no_probe_when_the_ledger_has_no_room(backend, clock):
+    # with admission on rule 7 needs ledger room: a full ledger makes any probe answer moot
+    probe = FakeProbe(default=1.0)
+    g = mkgate(backend, clock, headroom=0.5, probe=probe, max_wait_s=30)
+    g.write_snapshot(engines(cap=1000, usage=0.88))  # ceiling 500, residency band
+    script(g, "acquire", ticket="big", session="big", need=450, probe=1.0, retain=1)
+    r = script(g, "acquire", ticket="t", session="hot", need=100, probe=-1, retain=1)
+    assert (r["o"], r["r"]) == ("wait", "capacity_exhausted")  # not "probe"
+    r = script(g, "acquire", ticket="t2", session="hot2", need=40, probe=-1, retain=1)
+    assert r["o"] == "probe"  # 450 + 40 fits: a resident prefix could enter
+    script(g, "cancel", ticket="t")
+    script(g, "cancel", ticket="t2")
+    assert probe.calls == []
+
+
 def test_windows_may_grow_past_the_ceiling_until_capacity(backend, clock):
     g = mkgate(backend, clock, headroom=0.5, idle_grace_s=60)
     g.write_snapshot(engines(cap=1000, usage=0.1))  # ceiling 500, capacity 1000
