@@ -46,6 +46,8 @@ def build_step_metrics(raw: dict | None, config: Any, local: dict) -> dict[str, 
         m[P + f"admission/admit_{r}"] = _f(st, f"admit_{r}")
     for r in WAIT_REASONS:
         m[P + f"admission/wait_{r}"] = _f(st, f"wait_{r}")
+    for k in ("window_revoked", "window_yielded", "window_expired"):
+        m[P + f"residency/{k}"] = _f(st, k)
     m[P + "admission/defer_rate"] = wait / total if total else 0.0
     m[P + "admission/degraded_rate"] = _f(st, "bypass_degraded") / total if total else 0.0
     granted = _f(st, "wait_granted")
