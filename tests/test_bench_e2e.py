@@ -150,3 +150,14 @@ def test_a_policy_with_its_own_knobs_runs_beside_the_default(tmp_path, redis_url
     knobbed = by["kvgate[max_wait_s=0,idle_grace_s=0]"]["gate"]["config"]
     assert knobbed["max_wait_s"] == 0 and knobbed["idle_grace_s"] == 0
     assert by["kvgate"]["gate"]["config"]["max_wait_s"] > 0
+
+
+def test_default_cap_sweep_is_one_and_two_times_the_sessions_that_fit():
+    from kvgate.bench.cli import SCENARIOS, build_parser, build_workload, default_caps
+
+    args = build_parser().parse_args([])
+    wl = build_workload(args, SCENARIOS["default"])
+    fit = int(131072 / (wl.working_set_tokens() / len(wl.sessions)))
+    assert default_caps(wl, 131072) == [fit, 2 * fit] == [12, 24]
+    assert default_caps(wl, 10**9) == [len(wl.sessions)]  # everything fits: one cap, all sessions
+    assert default_caps(wl, None) == [10, 20]  # no pool known: a quarter and a half of the sessions
