@@ -123,6 +123,8 @@ def test_policy_knobs_parse_and_apply():
     ("kvgate[admission=false]", "unknown knob 'admission'"),
     ("kvgate[max_wait_s]", "NAME=VALUE"),
     ("kvgate[x=1]tail", "close the name"),
+    ("kvgate[max_wait_s=abc]", "max_wait_s='abc'"),
+    ("kvgate[admission_x=1]", "unknown knob 'admission_x'"),
 ])
 def test_bad_policy_knobs_are_clear_errors(text, needle):
     with pytest.raises(ValueError, match=needle.replace("[", r"\[")):

@@ -17,9 +17,10 @@ from typing import Any, AsyncIterator, Sequence
 
 from rich.markup import escape
 
+from ..config import parse_value
 from .engines import EngineClient, make_client
 from .report import checks, render_table, summarize, write_json, write_plots
-from .runner import EngineEnv, Policy, coerce_knob, parse_policies, run_policy, scaled_gate_config
+from .runner import EngineEnv, Policy, parse_policies, run_policy, scaled_gate_config
 from .workload import VOCAB_DEFAULT, ToolLatency, Workload, WorkloadSpec, generate, load_trace, parse_range
 
 __all__ = ["add_arguments", "run", "main", "SCENARIOS", "build_parser"]
@@ -168,13 +169,9 @@ def base_gate_config(args: argparse.Namespace) -> Any:
         name, sep, val = item.partition("=")
         if not sep or not name:
             raise ValueError(f"--knob expects NAME=VALUE, got {item!r}")
-        kw[name.strip()] = coerce_knob(val.strip())
-    if kw:
-        try:
-            cfg = replace(cfg, **kw)
-        except TypeError as e:
-            raise ValueError(f"--knob: {e}") from None
-    return cfg
+        kw[name.strip()] = parse_value(name.strip(), val, f"--knob {name.strip()}")
+    # parse_value rejects unknown names; replace() validates the values against each other
+    return replace(cfg, **kw) if kw else cfg
 
 
 def build_workload(args: argparse.Namespace, sc: Scenario) -> Workload:

@@ -49,23 +49,6 @@ class Policy:
     knobs: tuple = ()  # (name, value) GateConfig overrides of this policy only
 
 
-def coerce_knob(v: str) -> Any:
-    """A knob value from text: bools, None, int, float, else the string."""
-    low = v.lower()
-    if low in ("true", "on", "yes"):
-        return True
-    if low in ("false", "off", "no"):
-        return False
-    if low in ("none", "null"):
-        return None
-    for t in (int, float):
-        try:
-            return t(v)
-        except ValueError:
-            pass
-    return v
-
-
 def _split_top(text: str) -> list[str]:
     """Split on commas outside brackets: ``none,kvgate[max_wait_s=600,headroom=0.8]``."""
     items, depth, cur = [], 0, []
@@ -88,21 +71,21 @@ def _split_top(text: str) -> list[str]:
 
 
 def _policy_knobs(name: str, body: str) -> tuple:
-    from dataclasses import fields
+    from kvgate.config import parse_value
 
-    import kvgate
-
-    known = {f.name for f in fields(kvgate.GateConfig)} - {"admission", "residency"}
     out = []
     for item in body.split(","):
         k, sep, v = item.partition("=")
         k = k.strip()
         if not sep or not k:
             raise ValueError(f"bad policy {name!r}: expected NAME=VALUE inside [...], got {item.strip()!r}")
-        if k not in known:
+        if k in ("admission", "residency"):
             raise ValueError(f"bad policy {name!r}: unknown knob {k!r} (admission and residency are set by "
                              f"the policy's base name)")
-        out.append((k, coerce_knob(v.strip())))
+        try:
+            out.append((k, parse_value(k, v)))
+        except ValueError as e:
+            raise ValueError(f"bad policy {name!r}: {e}") from None
     return tuple(out)
 
 
