@@ -114,7 +114,7 @@ def knob_params(cfg: GateConfig, channel: str) -> dict:
         "ttl_ms": int(cfg.lease_ttl_s * 1000), "grace_ms": int(cfg.idle_grace_s * 1000),
         # a waiter re-checks at least every wait_poll_s: two missed polls mean it is gone
         "alive_ms": 2 * wait_ms + 1000, "claim_ms": 2 * wait_ms + 1000,
-        "max_wait_ms": int(cfg.max_wait_s * 1000), "reap": cfg.reap_batch, "ch": channel,
+        "max_wait_ms": int(cfg.max_wait_s * 1000), "gr": cfg.growth_reserve, "reap": cfg.reap_batch, "ch": channel,
     }
 
 

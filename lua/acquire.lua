@@ -104,13 +104,16 @@ if not w then
   end
 end
 
+-- what this turn is checked against the ledger with (a window it would open reserves its floor)
+local eff = entry_need(snap, need, P.retain)
+
 local function admitted(reason, win_mode)
   local enq = nil
   if w then
     enq = w.e
     drop_waiter(ticket, w)
   end
-  local g = grant(ticket, session, need, reason, enq, win_mode, false)
+  local g = grant(ticket, session, need, reason, enq, win_mode, false, eff)
   trim(snap, num(P.reap, 8))
   advance(num(P.reap, 8), snap)
   return out("admit", reason, { w = g.a - g.e, t = g.t })
@@ -128,7 +131,7 @@ if w then
 else
   older = redis.call("ZCARD", K.fifo) > 0
 end
-local blocked = block_reason(snap, need)
+local blocked = block_reason(snap, eff)
 if not older and blocked == nil then
   return admitted("open", opens_window(P.retain, snap.usage) and "open" or nil)
 end
@@ -137,13 +140,13 @@ end
 -- open a window only where the ledger has room for it, so an over-committed ledger does
 -- not hand places to newcomers (it would only revoke someone else's)
 local win_mode = nil
-if P.retain == 1 and (P.adm ~= 1 or reserved() + need <= snap.ceiling) then win_mode = "open" end
+if P.retain == 1 and (P.adm ~= 1 or reserved() + eff <= snap.ceiling) then win_mode = "open" end
 local probe = num(P.probe, -2)
 local band = P.res == 1 and (P.adm ~= 1 or snap.usage < P.pt)
 
 if band then
   -- rule 7: the probe says this prompt's prefix is resident
-  if probe >= 0 and probe >= num(P.hit, 0.8) and (P.adm ~= 1 or reserved() + need <= snap.ceiling) then
+  if probe >= 0 and probe >= num(P.hit, 0.8) and (P.adm ~= 1 or reserved() + eff <= snap.ceiling) then
     return admitted("resident_prefix", win_mode)
   end
   -- rule 8: residency alone fails open when no probe answers (with admission on, a failed
@@ -162,7 +165,7 @@ if P.age == 1 or (w and NOW - w.e >= max_wait) or (not w and max_wait <= 0) then
     -- uncounted, and idle windows that have waited longest on their tools give way to it
     -- (docs/decisions.md). An uncounted bypass would run cold every max_wait_s and evict
     -- the prefixes the windows were holding; this way its next turns are warm and counted.
-    evict_idle(snap, need, num(P.reap, 8))
+    evict_idle(snap, eff, num(P.reap, 8))
     return admitted("aged", "open")
   end
   if w then
@@ -172,7 +175,7 @@ if P.age == 1 or (w and NOW - w.e >= max_wait) or (not w and max_wait <= 0) then
   stat("bypass"); stat("bypass_aged")
   return out("bypass", "aged", { w = w and (NOW - w.e) or 0 })
 end
-if band and probe == -1 and (P.adm ~= 1 or reserved() + need <= snap.ceiling) then
+if band and probe == -1 and (P.adm ~= 1 or reserved() + eff <= snap.ceiling) then
   -- rules 1-6 did not decide and a probe could: ask the caller to probe, then call again
   -- (with admission on, rule 7 needs room in the ledger: without it no answer could admit)
   return out("probe", reason)

@@ -789,3 +789,79 @@ def test_lifecycle_join_ignores_turns_released_by_hand(backend, clock):
         pass
     out = g.finish_session("s")
     assert out["joined"] is True and out["close"]["attempts"] == 1  # one engine URL in the snapshot
+
+
+# -- growth_reserve: a window reserves room for the history it will re-send ------------
+def test_growth_reserve_window_charges_its_floor(backend, clock):
+    g = mkgate(backend, clock, growth_reserve=3.0, idle_grace_s=60)
+    g.write_snapshot(engines(cap=1000, usage=0.1))  # ceiling 900
+    lease = g.acquire("s", prompt_tokens=80, max_new_tokens=20)
+    assert (lease.reason, lease.tokens) == ("open", 0)  # the charge is the window's
+    assert ledger(g) == 300  # 100 x 3
+    lease.release()
+    assert ledger(g) == 300  # idle, still charged at its floor
+    g.acquire("s", prompt_tokens=180, max_new_tokens=20).release()
+    assert ledger(g) == 300  # grew to 200: inside the floor
+    g.acquire("s", prompt_tokens=380, max_new_tokens=20).release()
+    assert ledger(g) == 400  # outgrew it: charged at its need
+    g.finish_session("s")
+    assert ledger(g) == 0
+
+
+def test_growth_reserve_admits_fewer_sessions(backend, clock):
+    g = mkgate(backend, clock, growth_reserve=3.0, headroom=1.0)
+    g.write_snapshot(engines(cap=1000, usage=0.1))  # ceiling 1000
+    for sid in ("a", "b", "c"):
+        assert g.acquire(sid, prompt_tokens=100, max_new_tokens=0).reason == "open"  # 300 each
+    r = script(g, "acquire", ticket="d", session="d", need=100, probe=-2, retain=1)
+    assert (r["o"], r["r"]) == ("wait", "capacity_exhausted")  # 900 + 300 > 1000
+    # a turn that opens no window (retain_session=False) is checked at its own size
+    r = script(g, "acquire", ticket="e", session="e", need=100, probe=-2, retain=0)
+    assert (r["o"], r["r"]) == ("wait", "queued")  # it fits, but d is older
+    script(g, "cancel", ticket="e")
+    g.finish_session("a")  # frees 300: the head enters with its floor
+    assert json_lease(g, "d")["w"] == 1 and ledger(g) == 900
+    script(g, "cancel", ticket="d")
+    # without growth_reserve the same four sessions fit at once
+    g1 = kvgate.Gate(backend(), gate="g2", config=kvgate.GateConfig(**{**FAST, "headroom": 1.0, "growth_reserve": 1.0}), clock_ms=clock)
+    g1.write_snapshot(engines(cap=1000, usage=0.1))
+    assert [g1.acquire(s, prompt_tokens=100, max_new_tokens=0).reason for s in "abcd"] == ["open"] * 4
+
+
+def test_growth_reserve_floor_is_capped_by_the_ceiling(backend, clock):
+    g = mkgate(backend, clock, growth_reserve=4.0, headroom=0.5)
+    g.write_snapshot(engines(cap=1000, usage=0.1))  # ceiling 500
+    lease = g.acquire("big", prompt_tokens=200, max_new_tokens=0)  # 800 > 500: floor is 500
+    assert lease.reason == "open" and ledger(g) == 500
+    lease.release()
+    g.finish_session("big")
+    assert ledger(g) == 0
+
+
+def test_growth_reserve_needs_admission(backend, clock):
+    g = mkgate(backend, clock, growth_reserve=3.0, admission=False)
+    g.write_snapshot(engines(cap=1000, usage=0.9))  # residency alone opens windows under pressure
+    g.acquire("s", prompt_tokens=100, max_new_tokens=0).release()
+    assert g.redis.hexists(g.key("windows"), "s") and ledger(g) == 100  # no ledger to reserve in
+
+
+def json_lease(gate, ticket):
+    import json
+    raw = gate.redis.hget(gate.key("leases"), ticket)
+    assert raw is not None, f"no lease for {ticket}"
+    return json.loads(raw)
+
+
+def test_without_growth_reserve_a_window_follows_a_shrinking_prompt(backend, clock):
+    # growth_reserve 1 (the default) keeps the spec's reservation: a context reset shrinks it
+    g = mkgate(backend, clock, idle_grace_s=60)
+    g.write_snapshot(engines(cap=10_000, usage=0.1))
+    g.acquire("s", prompt_tokens=800, max_new_tokens=0).release()
+    assert ledger(g) == 800
+    g.acquire("s", prompt_tokens=100, max_new_tokens=0).release()
+    assert ledger(g) == 100
+    g3 = kvgate.Gate(backend(), gate="g3", config=kvgate.GateConfig(**{**FAST, "growth_reserve": 3.0}), clock_ms=clock)
+    g3.write_snapshot(engines(cap=10_000, usage=0.1))
+    g3.acquire("s", prompt_tokens=800, max_new_tokens=0).release()
+    g3.acquire("s", prompt_tokens=100, max_new_tokens=0).release()
+    assert int(g3.redis.hget(g3.key("ledger"), "reserved")) == 2400  # the floor stays

@@ -137,11 +137,13 @@ class GateMachine(RuleBasedStateMachine):
     # -- setup / teardown ------------------------------------------------------------------
     @initialize(features=st.sampled_from([(True, True), (True, False), (False, True)]),
                 grace=st.sampled_from([0.0, 2.0]), has_probe=st.booleans(),
-                usage=st.sampled_from([None, 0.1, 0.86, 0.95]), cap=st.sampled_from([1000, 2000, 4000]))
-    def setup(self, features, grace, has_probe, usage=None, cap=2000):
+                usage=st.sampled_from([None, 0.1, 0.86, 0.95]), cap=st.sampled_from([1000, 2000, 4000]),
+                growth=st.sampled_from([1.0, 1.0, 2.5]))
+    def setup(self, features, grace, has_probe, usage=None, cap=2000, growth=1.0):
         adm, res = features
         self.cfg = kvgate.GateConfig(admission=adm, residency=res, idle_grace_s=grace, wait_poll_s=1.0,
-                                     max_wait_s=2.0, lease_ttl_s=10.0, staleness_s=30.0, reap_batch=8)
+                                     max_wait_s=2.0, lease_ttl_s=10.0, staleness_s=30.0, reap_batch=8,
+                                     growth_reserve=growth)
         self.has_probe = has_probe and res
         self.gate = kvgate.Gate(self.r, gate=f"st-{uuid.uuid4().hex[:10]}", config=self.cfg,
                                 clock_ms=lambda: self.now)
@@ -265,6 +267,10 @@ class GateMachine(RuleBasedStateMachine):
         assert s.reserved == own + win, (s.reserved, own, win, s.leases, s.windows)
         assert all(l["t"] >= 0 for l in s.leases.values())
         assert all(w["t"] >= 0 for w in s.windows.values())
+        # growth_reserve: a window never charges less than its floor, and only keeps one above 1.0
+        assert all(w["t"] >= w.get("f", 0) for w in s.windows.values()), s.windows
+        if self.cfg.growth_reserve == 1.0:
+            assert not any("f" in w for w in s.windows.values()), s.windows
         assert s.total("ledger_clamped") == 0, "the ledger was clamped at zero (a double give-back)"
 
     @invariant()

@@ -157,22 +157,45 @@ local function free_lease(ticket)
   return l
 end
 
+-- what a window opened now for a turn of `need` tokens reserves: the need grown by
+-- growth_reserve (sessions re-send a growing history: a window admitted at its first prompt
+-- will hold several times that before it ends), never more than the ceiling, never less than
+-- the need. With admission off there is no ledger to reserve in.
+local function window_floor(snap, need)
+  local g = num(P.gr, 1)
+  if g <= 1 or P.adm ~= 1 then return need end
+  return math.max(need, math.min(math.floor(need * g), snap.ceiling))
+end
+
+-- the tokens a turn is checked against the ledger with: a turn that would open a window
+-- (retained, no live window) is checked with the window's floor
+local function entry_need(snap, need, retain)
+  if retain == 1 and opens_window(retain, snap.usage) then return window_floor(snap, need) end
+  return need
+end
+
 -- open a lease; with `win_mode` the charge goes to the session's window:
 --   "join"  the session owns a window: hold it (first holder re-sizes its charge)
 --   "open"  open (or keep) the window for this session (admitted under pressure)
-local function grant(ticket, session, need, reason, enq_ms, win_mode, claim)
+-- `floor`: what a newly opened window reserves at least (window_floor; default `need`)
+local function grant(ticket, session, need, reason, enq_ms, win_mode, claim, floor)
   local l = { s = session, t = need, w = 0, a = NOW, e = enq_ms or NOW, r = reason, ep = epoch(), c = 0 }
   if win_mode ~= nil then
     local win = jget(K.windows, session)
     if win == nil then
-      win = { t = need, h = 1, ep = epoch(), x = 0, id = redis.call("HINCRBY", K.ledger, "wseq", 1) }
+      local f = math.max(need, floor or need)
+      win = { t = f, h = 1, ep = epoch(), x = 0, id = redis.call("HINCRBY", K.ledger, "wseq", 1) }
+      -- only a floor above the need is kept: at growth_reserve 1 the charge follows the
+      -- session's latest turn both ways, as before (a reset context shrinks it)
+      if f > need then win.f = f end
       redis.call("ZADD", K.window_order, I(win.id), session)
-      charge(need)
+      charge(f)
       l.t = 0
       l.w = 1
     elseif win.h == 0 then
-      charge(need - win.t)
-      win.t = need
+      local t = math.max(need, win.f or 0)
+      charge(t - win.t)
+      win.t = t
       win.h = 1
       win.x = 0
       redis.call("ZREM", K.window_exp, session)
@@ -252,9 +275,10 @@ local function advance(limit, snap)
       drop_waiter(head, w)
       stat("dead_waiter")
     else
-      if block_reason(snap, w.n) ~= nil then break end
+      local eff = entry_need(snap, w.n, w.r)
+      if block_reason(snap, eff) ~= nil then break end
       drop_waiter(head, w)
-      grant(head, w.s, w.n, "open", w.e, opens_window(w.r, snap.usage) and "open" or nil, true)
+      grant(head, w.s, w.n, "open", w.e, opens_window(w.r, snap.usage) and "open" or nil, true, eff)
       publish("g " .. head)
       granted = granted + 1
     end
