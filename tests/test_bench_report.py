@@ -43,10 +43,38 @@ def test_summary_ratios_best_cap_and_checks(tmp_path):
     assert got == {"kvgate wall-clock <= 0.6x no gate": True, "kvgate beats the best fixed cap (cap-4)": True,
                    "kvgate prefix-cache hit rate >= 0.9": True}
     assert [ok for _, ok, _ in checks(s, "no-pressure")] == [True]  # 0.55x <= 1.05x
+    assert [ok for _, ok, _ in checks(s, "cpu-tiny")] == [True]  # 0.55x <= 1.10x
+    assert [(n, ok) for n, ok, _ in checks(s, "cpu-heavy")] == [("kvgate within 10% of the best fixed cap (cap-4)", True)]
     write_json(s, tmp_path / "b.json", {"scenario": "x"})
     assert json.loads((tmp_path / "b.json").read_text())["scenario"] == "x"
     for p in write_plots(s, tmp_path):
         assert p.stat().st_size > 1000
+
+
+def test_checks_cover_every_full_gate_policy_and_fail_when_they_should():
+    res = [_result(Policy("none", "none"), 10.0, 20, 100),
+           _result(Policy("cap-4", "cap", cap=4), 6.0, 80, 100),
+           _result(Policy("kvgate", "gate", admission=True, residency=True), 6.7, 85, 100, reasons=("open",)),
+           _result(Policy("kvgate[max_wait_s=600]", "gate", admission=True, residency=True), 5.9, 92, 100,
+                   reasons=("open",)),
+           _result(Policy("admission", "gate", admission=True, residency=False), 9.0, 30, 100, reasons=("open",))]
+    s = summarize(res, _workload())
+    got = {name: ok for name, ok, _ in checks(s, "pressure")}
+    assert got == {"kvgate wall-clock <= 0.6x no gate": False,            # 0.67
+                   "kvgate beats the best fixed cap (cap-4)": False,      # 6.7 s vs 6.0 s
+                   "kvgate prefix-cache hit rate >= 0.9": False,          # 0.85
+                   "kvgate[max_wait_s=600] wall-clock <= 0.6x no gate": True,
+                   "kvgate[max_wait_s=600] beats the best fixed cap (cap-4)": True,
+                   "kvgate[max_wait_s=600] prefix-cache hit rate >= 0.9": True}
+    heavy = {name: ok for name, ok, _ in checks(s, "cpu-heavy")}
+    assert heavy == {"kvgate within 10% of the best fixed cap (cap-4)": False,  # 6.7 > 6.6
+                     "kvgate[max_wait_s=600] within 10% of the best fixed cap (cap-4)": True}
+    assert [ok for _, ok, _ in checks(s, "cpu-tiny")] == [True, True]
+    slow = summarize([_result(Policy("none", "none"), 10.0, 20, 100),
+                      _result(Policy("kvgate", "gate", admission=True, residency=True), 11.2, 90, 100,
+                              reasons=("open",))], _workload())
+    assert [ok for _, ok, _ in checks(slow, "cpu-tiny")] == [False]  # 1.12x
+    assert [ok for _, ok, _ in checks(slow, "no-pressure")] == [False]
 
 
 def test_hit_rate_falls_back_to_responses_when_counters_fail():
