@@ -104,8 +104,9 @@ if not w then
   end
 end
 
--- what this turn is checked against the ledger with (a window it would open reserves its floor)
-local eff = entry_need(snap, need, P.retain)
+-- what this turn is checked against the ledger with: a turn that would open a window (no
+-- live one, rule 5 below) is checked with the window's floor (growth_reserve)
+local eff = opens_window(P.retain, snap.usage) and window_floor(snap, need) or need
 
 local function admitted(reason, win_mode)
   local enq = nil

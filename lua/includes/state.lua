@@ -167,13 +167,6 @@ local function window_floor(snap, need)
   return math.max(need, math.min(math.floor(need * g), snap.ceiling))
 end
 
--- the tokens a turn is checked against the ledger with: a turn that would open a window
--- (retained, no live window) is checked with the window's floor
-local function entry_need(snap, need, retain)
-  if retain == 1 and opens_window(retain, snap.usage) then return window_floor(snap, need) end
-  return need
-end
-
 -- open a lease; with `win_mode` the charge goes to the session's window:
 --   "join"  the session owns a window: hold it (first holder re-sizes its charge)
 --   "open"  open (or keep) the window for this session (admitted under pressure)
@@ -275,10 +268,12 @@ local function advance(limit, snap)
       drop_waiter(head, w)
       stat("dead_waiter")
     else
-      local eff = entry_need(snap, w.n, w.r)
+      -- a head that would open a window is checked with the window's floor
+      local win_mode = opens_window(w.r, snap.usage) and "open" or nil
+      local eff = win_mode and window_floor(snap, w.n) or w.n
       if block_reason(snap, eff) ~= nil then break end
       drop_waiter(head, w)
-      grant(head, w.s, w.n, "open", w.e, opens_window(w.r, snap.usage) and "open" or nil, true, eff)
+      grant(head, w.s, w.n, "open", w.e, win_mode, true, eff)
       publish("g " .. head)
       granted = granted + 1
     end
