@@ -163,3 +163,17 @@ def test_default_cap_sweep_is_one_and_two_times_the_sessions_that_fit():
     assert default_caps(wl, 131072) == [fit, 2 * fit] == [12, 24]
     assert default_caps(wl, 10**9) == [len(wl.sessions)]  # everything fits: one cap, all sessions
     assert default_caps(wl, None) == [10, 20]  # no pool known: a quarter and a half of the sessions
+
+
+def test_checks_name_each_gate_policy_on_the_console(tmp_path, redis_url, capsys):
+    # a knob policy's name is rich markup ("[...]"): the PASS/FAIL lines must print it whole
+    out = tmp_path / "out"
+    rc = bench_cli.main(["--sessions", "3", "--turns", "2-3", "--first-prompt", "200-300", "--tool-result", "20-40",
+                         "--output", "8-16", "--time-scale", "0.01", "--kv-capacity", "2048", "--no-plots",
+                         "--policies", "none,kvgate,kvgate[max_wait_s=600]", "--out", str(out), "--no-progress",
+                         "--redis", redis_url])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "kvgate[max_wait_s=600] wall-clock <= 0.6x no gate" in text
+    data = json.loads((out / "bench.json").read_text())
+    assert {c["check"].split(" ")[0] for c in data["checks"]} == {"kvgate", "kvgate[max_wait_s=600]"}

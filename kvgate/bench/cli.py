@@ -426,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
     verdicts = checks(summary, check_kind) if check_kind and not args.trace else []
     for name, ok, detail in verdicts:
         mark = "[green]PASS[/]" if ok else "[red]FAIL[/]"
-        console.print(f"{mark} {name}: {detail}", highlight=False)
+        console.print(f"{mark} {escape(name)}: {escape(detail)}", highlight=False)  # kvgate[..] is markup
     extra = {"scenario": args.scenario, "time_scale": time_scale, "engines": env.describe(),
              "redis": redis_kind, "elapsed_s": elapsed, "caps": caps,
              "checks": [{"check": n, "passed": ok, "detail": d} for n, ok, d in verdicts],
