@@ -12,15 +12,14 @@ import argparse
 import os
 import sys
 
-from kvgate.integrations.vllm_testing import start_server, write_model
+from kvgate.integrations.vllm_testing import DEFAULT_VLLM_PYTHON, start_server, write_model
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("tiny", "heavy"), default="heavy",
                    help="tiny: hidden 128, 2 layers; heavy: hidden 512, 4 layers (dummy weights)")
-    p.add_argument("--venv-python", default=os.environ.get("KVGATE_VLLM_PYTHON",
-                                                           "/root/.cache/kvgate-vllm-venv/bin/python"))
+    p.add_argument("--venv-python", default=DEFAULT_VLLM_PYTHON)
     p.add_argument("--num-blocks", type=int, default=80)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--out", default=None)

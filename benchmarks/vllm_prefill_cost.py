@@ -17,8 +17,7 @@ import sys
 
 import httpx
 
-from kvgate.integrations.vllm_testing import start_server, write_model
-from prometheus_client.parser import text_string_to_metric_families
+from kvgate.integrations.vllm_testing import DEFAULT_VLLM_PYTHON, metric_value, start_server, write_model
 
 SERIES = ("vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_kv_computed_tokens_sum",
           "vllm:request_decode_time_seconds_sum", "vllm:generation_tokens_total",
@@ -26,20 +25,15 @@ SERIES = ("vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_kv_comp
 
 
 def scrape(url: str) -> dict[str, float]:
-    out = dict.fromkeys(SERIES, 0.0)
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for smp in fam.samples:
-            if smp.name in out:
-                out[smp.name] += smp.value
-    return out
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {name: metric_value(text, name) for name in SERIES}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("tiny", "heavy"), default="tiny")
     p.add_argument("--policies", default="none,cap-4")
-    p.add_argument("--venv-python", default=os.environ.get("KVGATE_VLLM_PYTHON",
-                                                           "/root/.cache/kvgate-vllm-venv/bin/python"))
+    p.add_argument("--venv-python", default=DEFAULT_VLLM_PYTHON)
     p.add_argument("--out", default="bench-out/prefill-cost")
     a = p.parse_args()
     if not os.path.exists(a.venv_python):

