@@ -10,6 +10,7 @@ import pytest
 
 from kvgate.bench import cli as bench_cli
 from kvgate.bench.engines import parse_counters, SGLANG_COUNTERS, VLLM_COUNTERS
+from kvgate.bench.cli import SCENARIOS, build_parser
 from kvgate.bench.runner import parse_policies
 
 pytestmark = pytest.mark.timeout(120)
@@ -177,3 +178,47 @@ def test_checks_name_each_gate_policy_on_the_console(tmp_path, redis_url, capsys
     assert "kvgate[max_wait_s=600] wall-clock <= 0.6x no gate" in text
     data = json.loads((out / "bench.json").read_text())
     assert {c["check"].split(" ")[0] for c in data["checks"]} == {"kvgate", "kvgate[max_wait_s=600]"}
+
+
+@pytest.mark.parametrize("scenario", sorted(bench_cli.SCENARIOS))
+def test_every_scenario_runs_its_turns_on_the_simulator(tmp_path, redis_url, scenario):
+    # each named scenario, shrunk, on its own simulator profile: every turn must reach the
+    # engine (the CPU profiles' 1,000-token vocabulary once turned every turn into a 400)
+    out = tmp_path / "out"
+    rc = bench_cli.main(["--scenario", scenario, "--sessions", "2", "--turns", "2", "--time-scale", "0.01",
+                         "--policies", "none,kvgate", "--redis", redis_url, "--out", str(out),
+                         "--no-progress", "--no-plots"])
+    assert rc == 0
+    data = json.loads((out / "bench.json").read_text())
+    for p in data["policies"]:
+        assert p["errors"] == 0, p["error_examples"]
+        assert p["turns_done"] == 4
+
+
+def test_workload_vocab_follows_the_scenario_and_the_profile():
+    parse = build_parser().parse_args
+    assert bench_cli.workload_vocab(parse([]), SCENARIOS["default"]) == 32000  # GPU profile: 151,936, capped
+    assert bench_cli.workload_vocab(parse(["--scenario", "cpu-tiny"]), SCENARIOS["cpu-tiny"]) == 1000
+    assert bench_cli.workload_vocab(parse(["--profile", "cpu-vllm-heavy"]), SCENARIOS["default"]) == 1000
+    assert bench_cli.workload_vocab(parse(["--vocab", "500"]), SCENARIOS["cpu-tiny"]) == 500
+    # real engines: the scenario's, else 32,000 (the engine's vocabulary is not exposed)
+    assert bench_cli.workload_vocab(parse(["--engine", "http://x"]), SCENARIOS["default"]) == 32000
+    assert bench_cli.workload_vocab(parse(["--engine", "http://x"]), SCENARIOS["cpu-heavy"]) == 1000
+    with pytest.raises(ValueError, match="--vocab"):
+        bench_cli.workload_vocab(parse(["--vocab", "1"]), SCENARIOS["default"])
+
+
+def test_failed_turns_fail_the_checks_and_the_exit_code(tmp_path, redis_url, capsys):
+    # ids outside the simulator's 1,000-token vocabulary: every turn is refused with a 400
+    out = tmp_path / "out"
+    rc = bench_cli.main(["--scenario", "cpu-tiny", "--sessions", "2", "--turns", "2", "--vocab", "5000",
+                         "--policies", "none,kvgate", "--redis", redis_url, "--out", str(out),
+                         "--no-progress", "--no-plots"])
+    assert rc == 1
+    text = capsys.readouterr().out
+    assert "PASS" not in text
+    assert "FAIL kvgate (no comparison): turns failed in kvgate (4), none (4)" in text
+    assert "input_ids must hold integers in [0," in text  # the engine's reason, from the body
+    data = json.loads((out / "bench.json").read_text())
+    assert [c["passed"] for c in data["checks"]] == [False]
+    assert all("body:" in e for p in data["policies"] for e in p["error_examples"])

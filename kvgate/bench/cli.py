@@ -42,6 +42,7 @@ class Scenario:
     kv_capacity: int | None = None  # override the profile's pool (tokens)
     arrival_spread_s: float = 0.0
     tool: ToolLatency = ToolLatency()
+    vocab: int | None = None  # token ids are drawn below this (None: the engine's, capped)
 
 
 # The CPU vLLM measurements of ENGINES.md: one lognormal, median 0.2 s, p90 1.5 s.
@@ -70,11 +71,11 @@ SCENARIOS: dict[str, Scenario] = {
     "cpu-tiny": Scenario(
         description="12 sessions x 12 turns on an 80-block (2,560-token) cache, tiny CPU model profile",
         profile="cpu-vllm-tiny", sessions=12, turns="12", first_prompt="250-350", tool_result="30-60",
-        output="20-30", time_scale=1.0, tool=_CPU_TOOL),
+        output="20-30", time_scale=1.0, tool=_CPU_TOOL, vocab=1000),
     "cpu-heavy": Scenario(
         description="12 sessions x 12 turns on an 80-block (2,560-token) cache, heavier CPU model profile",
         profile="cpu-vllm-heavy", sessions=12, turns="12", first_prompt="250-350", tool_result="30-60",
-        output="20-30", time_scale=1.0, tool=_CPU_TOOL),
+        output="20-30", time_scale=1.0, tool=_CPU_TOOL, vocab=1000),
 }
 
 
@@ -104,8 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sc.add_argument("--tool-sigma", type=float, help="log-space spread of tool latency")
     sc.add_argument("--tool-max", type=float, help="tool timeout: latency cap, s")
     sc.add_argument("--arrival-spread", type=float, help="sessions arrive uniformly over this many s")
-    sc.add_argument("--vocab", type=int, help="token ids are drawn below this (default 32000; "
-                                              "use the model's vocabulary size for real engines)")
+    sc.add_argument("--vocab", type=int, help="token ids are drawn below this (default: the scenario's, "
+                    "else the simulator profile's capped at 32000, else 32000; give the model's "
+                    "vocabulary size for real engines)")
     sc.add_argument("--trace", help="replay a JSONL trace instead of generating sessions")
     sc.add_argument("--time-scale", type=float,
                     help="multiply every duration (tool latency, engine cost, gate time knobs) by this")
@@ -174,9 +176,28 @@ def base_gate_config(args: argparse.Namespace) -> Any:
     return replace(cfg, **kw) if kw else cfg
 
 
+def workload_vocab(args: argparse.Namespace, sc: Scenario) -> int:
+    """Token ids are drawn below: ``--vocab``; else the scenario's (the CPU scenarios use the
+    1,000-token vocabulary of ENGINES.md's dummy model); else, on the simulator, its profile's
+    vocabulary capped at 32,000; else 32,000.  An id outside the engine's vocabulary is a
+    400 on every turn, so a run that ignored the profile measured nothing."""
+    if args.vocab is not None:
+        if args.vocab < 2:
+            raise ValueError(f"--vocab must be >= 2, got {args.vocab}")
+        return args.vocab
+    if sc.vocab is not None:
+        return sc.vocab
+    if not args.engine:
+        from kvgate.sim import load_profile
+
+        return min(VOCAB_DEFAULT, load_profile(args.profile or sc.profile).vocab_size)
+    return VOCAB_DEFAULT
+
+
 def build_workload(args: argparse.Namespace, sc: Scenario) -> Workload:
+    vocab = workload_vocab(args, sc)
     if args.trace:
-        return load_trace(args.trace, seed=args.seed, vocab=args.vocab or VOCAB_DEFAULT)
+        return load_trace(args.trace, seed=args.seed, vocab=vocab)
     tool = ToolLatency(
         fast_median_s=args.tool_fast_median if args.tool_fast_median is not None else sc.tool.fast_median_s,
         slow_median_s=args.tool_slow_median if args.tool_slow_median is not None else sc.tool.slow_median_s,
@@ -191,7 +212,7 @@ def build_workload(args: argparse.Namespace, sc: Scenario) -> Workload:
         output=parse_range(args.output or sc.output, name="--output", minimum=1),
         tool=tool,
         arrival_spread_s=args.arrival_spread if args.arrival_spread is not None else sc.arrival_spread_s,
-        vocab=args.vocab or VOCAB_DEFAULT)
+        vocab=vocab)
     return generate(spec, seed=args.seed)
 
 
@@ -438,9 +459,10 @@ def run(args: argparse.Namespace) -> int:
         paths += write_plots(summary, out_dir)
     console.print(f"total {elapsed:.1f}s; wrote {', '.join(str(p) for p in paths)}", highlight=False)
     errors = sum(r.errors for r in results)
-    if errors:
-        console.print(f"[yellow]warning:[/] {errors} turn(s) failed; first: "
-                      f"{next(e for r in results for e in r.error_examples)}")
+    if errors:  # a run that lost turns measured less than the workload: say so, exit non-zero
+        console.print(f"[red]error:[/] {errors} turn(s) failed; first: "
+                      f"{escape(next(e for r in results for e in r.error_examples))}", highlight=False)
+        return 1
     return 0
 
 

@@ -115,6 +115,14 @@ def checks(summary: dict, scenario: str) -> list[tuple[str, bool | None, str]]:
     gates = [x for x in summary["policies"] if x["policy"] == "kvgate" or x["policy"].startswith("kvgate[")]
     for gate in gates:
         name, ratio = gate["policy"], gate["ratio_to_none"]
+        # a policy whose turns failed did less work than the workload asks: its wall-clock
+        # compares nothing, so every check that reads it fails, saying why
+        refs = [gate, none] + [x for x in summary["policies"] if x["kind"] == "cap"]
+        broken = [x for x in refs if x is not None and x["errors"]]
+        if broken:
+            out.append((f"{name} (no comparison)", False, "turns failed in "
+                        + ", ".join(f"{x['policy']} ({x['errors']})" for x in broken)))
+            continue
         rtxt = f"ratio {ratio:.3f}" if ratio is not None else "n/a"
         if scenario == "cpu-heavy":
             if bc is not None:

@@ -184,6 +184,22 @@ class EngineEnv:
         return {}
 
 
+def _error_text(e: BaseException) -> str:
+    """``Type: message`` plus, for an HTTP error, the start of the response body: an engine
+    says why it refused a request there (a token id outside the vocabulary, a prompt longer
+    than the context), and the status line alone does not."""
+    text = f"{type(e).__name__}: {e}".split("\nFor more information", 1)[0]
+    resp = getattr(e, "response", None)
+    if resp is not None:
+        try:
+            body = resp.text.strip()
+        except Exception:  # a streamed or undecodable body: the status line is what there is
+            body = ""
+        if body:
+            text += f" -- body: {body[:200]}"
+    return text
+
+
 def scaled_gate_config(base: Any, policy: Policy, time_scale: float, scale_knobs: bool = True) -> Any:
     """Per-policy GateConfig: features from the policy, time knobs scaled with the workload.
 
@@ -437,7 +453,7 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # count, keep the session going with a synthetic output
-                    errors.append(f"{sid} turn {idx}: {type(e).__name__}: {e}"[:300])
+                    errors.append(f"{sid} turn {idx}: {_error_text(e)}"[:500])
                     history.extend(session_tokens(workload, sid, 100000 + idx, t.output_tokens))
                     continue
                 done = loop.time() - t0
