@@ -222,3 +222,22 @@ def test_failed_turns_fail_the_checks_and_the_exit_code(tmp_path, redis_url, cap
     data = json.loads((out / "bench.json").read_text())
     assert [c["passed"] for c in data["checks"]] == [False]
     assert all("body:" in e for p in data["policies"] for e in p["error_examples"])
+
+
+def test_turns_spread_over_client_shards_one_per_session():
+    import asyncio
+
+    from kvgate.bench.engines import make_client
+
+    async def go():
+        c = make_client("sglang", ["http://127.0.0.1:1"], ["http://127.0.0.1:1"], max_connections=64)
+        a = c.http_for("s-1")
+        assert c.http_for("s-1") is a  # a session keeps its shard (and its keep-alive connection)
+        used = {id(c.http_for(f"s-{i}")) for i in range(200)}
+        assert len(used) == c.SHARDS  # and sessions spread over all of them
+        assert a._transport._pool._max_connections == 64 // c.SHARDS
+        await c.aclose()
+        assert a.is_closed
+        assert c.http_for("s-1") is not a  # a closed client is not handed out again
+
+    asyncio.run(go())

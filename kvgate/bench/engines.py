@@ -114,19 +114,39 @@ class EngineClient:
         self.generate_urls = [u.rstrip("/") for u in generate_urls]
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self._timeout = httpx.Timeout(timeout_s, connect=10.0)
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._http: httpx.AsyncClient | None = None
+        per = max(1, math.ceil(max_connections / self.SHARDS))
+        self._limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
+        self._shards: list[httpx.AsyncClient | None] = [None] * self.SHARDS
+
+    # Turns go through SHARDS clients picked by session: httpcore's pool looks at every
+    # connection it holds (an expiry check that polls the socket) each time it assigns a
+    # request, so one pool of N connections costs O(N) per request. With 40 sessions that
+    # was an eighth of the bench's CPU, and at time scale 0.02 a millisecond of the bench's
+    # CPU is 50 ms of model time (docs/benchmarks.md#time-scale).
+    SHARDS = 16
+
+    def _client(self, shard: int) -> httpx.AsyncClient:
+        c = self._shards[shard]
+        if c is None:
+            c = self._shards[shard] = httpx.AsyncClient(timeout=self._timeout, limits=self._limits,
+                                                        trust_env=False)
+        return c
 
     @property
     def http(self) -> httpx.AsyncClient:
-        if self._http is None:
-            self._http = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, trust_env=False)
-        return self._http
+        """The client for everything that is not a turn (metrics, usage, resets)."""
+        return self._client(0)
+
+    def http_for(self, session_id: str) -> httpx.AsyncClient:
+        """The client a session's turns use (one shard per session, stable)."""
+        h = int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=4).digest(), "big")
+        return self._client(h % self.SHARDS)
 
     async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        shards, self._shards = self._shards, [None] * self.SHARDS
+        for c in shards:
+            if c is not None:
+                await c.aclose()
 
     async def generate(self, session_id: str, prompt_ids: list[int], max_new_tokens: int) -> GenResult:
         raise NotImplementedError
@@ -185,7 +205,7 @@ class SGLangClient(EngineClient):
         body = {"input_ids": prompt_ids,
                 "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
                                     "ignore_eos": True}}
-        r = await self.http.post(url + "/generate", content=_dumps(body), headers=_JSON)
+        r = await self.http_for(session_id).post(url + "/generate", content=_dumps(body), headers=_JSON)
         r.raise_for_status()
         d = _loads(r.content)
         if isinstance(d, list):
@@ -217,7 +237,7 @@ class VLLMClient(EngineClient):
         body = {"model": await self._model(), "prompt": prompt_ids, "max_tokens": max_new_tokens,
                 "min_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True,
                 "return_token_ids": True}
-        r = await self.http.post(url + "/v1/completions", content=_dumps(body), headers=_JSON)
+        r = await self.http_for(session_id).post(url + "/v1/completions", content=_dumps(body), headers=_JSON)
         r.raise_for_status()
         d = _loads(r.content)
         ch = d["choices"][0]
