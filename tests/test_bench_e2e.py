@@ -43,6 +43,17 @@ def test_every_policy_end_to_end(tmp_path, redis_url):
         assert p["uncached_tokens"] <= p["prompt_tokens"]
         assert p["latency_p50_s"] <= p["latency_p99_s"]
         assert set(p["latency_by_turn_s"]) == {str(i) for i in range(4)}
+        # one row per session, in the order they finished; time splits into wait/engine/rest
+        rows = p["sessions"]
+        assert len(rows) == data["workload"]["sessions"]
+        assert [r["end_s"] for r in rows] == sorted(r["end_s"] for r in rows)
+        assert rows[-1]["end_s"] <= p["wall_s"] + 0.01
+        for r in rows:
+            assert r["turns_done"] == r["turns"] and 3 <= r["turns"] <= 4
+            assert r["first_ready_s"] <= r["first_start_s"] < r["end_s"]
+            assert r["waited_s"] >= 0 and r["engine_s"] > 0 and r["other_s"] >= -0.01
+        if p["policy"] == "none":
+            assert all(r["waited_s"] < 0.05 for r in rows)  # nothing holds a turn back
         if p["kind"] == "gate":
             assert sum(p["admissions"].values()) == n_turns
             assert p["gate"]["snapshots"]

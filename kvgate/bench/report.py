@@ -77,6 +77,7 @@ def summarize(results: Sequence[PolicyResult], workload: Workload) -> dict:
             "hit_rate_over_time": _hit_series(r.samples),
             "usage_over_time": [(round(t, 3), round(u, 4)) for t, u in r.usage_samples],
             "gate_over_time": r.gate_samples,
+            "sessions": _session_rows(r.turns, n_turns_sess),
             "step_metrics": r.step_metrics,
             "gate": r.gate_config,
         })
@@ -89,6 +90,27 @@ def summarize(results: Sequence[PolicyResult], workload: Workload) -> dict:
         x["best_cap"] = bool(best_cap is not None and x is best_cap)
     return {"workload": workload.describe(), "policies": rows,
             "best_cap": best_cap["policy"] if best_cap else None}
+
+
+def _session_rows(turns: Sequence[Any], n_turns: dict[str, int]) -> list[dict]:
+    """Per session, ordered by when it finished: turns, when its first turn was ready and
+    when it reached the engine, when its last turn ended, and how its time split into gate
+    waits, engine time and the rest (tool calls). The last rows are the step's stragglers."""
+    by: dict[str, list[Any]] = defaultdict(list)
+    for t in turns:
+        by[t.session].append(t)
+    out = []
+    for sid, ts in by.items():
+        ts.sort(key=lambda t: t.turn)
+        first, end = ts[0], max(t.done_s for t in ts)
+        waited = sum(t.start_s - t.ready_s for t in ts)
+        engine = sum(t.done_s - t.start_s for t in ts)
+        out.append({"session": sid, "turns": n_turns.get(sid, len(ts)), "turns_done": len(ts),
+                    "first_ready_s": round(first.ready_s, 3), "first_start_s": round(first.start_s, 3),
+                    "end_s": round(end, 3), "waited_s": round(waited, 3), "engine_s": round(engine, 3),
+                    "other_s": round(end - first.ready_s - waited - engine, 3)})
+    out.sort(key=lambda x: x["end_s"])
+    return out
 
 
 def _hit_series(samples: Sequence[tuple[float, float, float]]) -> list[tuple[float, float | None]]:
