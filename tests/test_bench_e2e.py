@@ -52,6 +52,8 @@ def test_every_policy_end_to_end(tmp_path, redis_url):
             assert r["turns_done"] == r["turns"] and 3 <= r["turns"] <= 4
             assert r["first_ready_s"] <= r["first_start_s"] < r["end_s"]
             assert r["waited_s"] >= 0 and r["engine_s"] > 0 and r["other_s"] >= -0.01
+            if p["kind"] == "gate":  # how each of its turns got in
+                assert sum(r["admissions"].values()) == r["turns"]
         if p["policy"] == "none":
             assert all(r["waited_s"] < 0.05 for r in rows)  # nothing holds a turn back
         if p["kind"] == "gate":

@@ -108,7 +108,9 @@ def _session_rows(turns: Sequence[Any], n_turns: dict[str, int]) -> list[dict]:
         out.append({"session": sid, "turns": n_turns.get(sid, len(ts)), "turns_done": len(ts),
                     "first_ready_s": round(first.ready_s, 3), "first_start_s": round(first.start_s, 3),
                     "end_s": round(end, 3), "waited_s": round(waited, 3), "engine_s": round(engine, 3),
-                    "other_s": round(end - first.ready_s - waited - engine, 3)})
+                    "other_s": round(end - first.ready_s - waited - engine, 3),
+                    "admissions": dict(sorted(Counter(f"{t.outcome}/{t.reason}" for t in ts
+                                                      if t.outcome or t.reason).items()))})
     out.sort(key=lambda x: x["end_s"])
     return out
 
