@@ -254,3 +254,72 @@ def test_turns_spread_over_client_shards_one_per_session():
         assert c.http_for("s-1") is not a  # a closed client is not handed out again
 
     asyncio.run(go())
+
+
+def _children(pid: int) -> list[int]:
+    import os
+
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    st = f.read()
+            except OSError:
+                continue
+            if int(st.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs /proc")
+def test_sigterm_stops_the_simulator_and_the_embedded_redis(tmp_path):
+    # a `kill` of the bench must not orphan its children: the simulator process and the
+    # private redis-server are stopped by the same clean-up as Ctrl-C, and the exit is 130
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "kvgate.bench", "--policies", "none,kvgate", "--sessions", "6",
+                          "--turns", "20", "--out", str(tmp_path / "o"), "--no-progress", "--no-plots"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        kids: list[int] = []
+        while time.monotonic() < deadline:
+            kids = _children(p.pid)
+            cmds = []
+            for k in kids:
+                try:
+                    with open(f"/proc/{k}/cmdline") as f:
+                        cmds.append(f.read())
+                except OSError:
+                    pass
+            if any("kvgate.sim" in c for c in cmds):
+                break
+            time.sleep(0.1)
+        assert any("kvgate.sim" in c for c in cmds), cmds
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=60)
+        out = p.stdout.read().decode()
+        assert rc == 130, out
+        assert "interrupted" in out
+        deadline = time.monotonic() + 10
+        while any(_running(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [k for k in kids if _running(k)]
+        assert not (tmp_path / "o" / "bench.json").exists()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -373,6 +373,28 @@ async def _run_all(args: argparse.Namespace, sc: Scenario, workload: Workload, e
     return results
 
 
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM raises KeyboardInterrupt while the bench runs (main thread only), so the
+    simulator's child process and the embedded redis-server are stopped by the same
+    clean-up as Ctrl-C instead of being orphaned by a ``kill``."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -422,18 +444,23 @@ def run(args: argparse.Namespace) -> int:
                   f"time scale {time_scale}; policies: {escape(', '.join(p.name for p in policies))}", highlight=False)
 
     t_start = time.monotonic()
-    with contextlib.ExitStack() as stack:
-        if any(p.kind == "gate" for p in policies):
-            if args.redis:
-                redis_url, redis_kind = args.redis, "external"
-            else:
-                from .redis_embed import embedded_redis
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_sigterm_interrupts())
+            if any(p.kind == "gate" for p in policies):
+                if args.redis:
+                    redis_url, redis_kind = args.redis, "external"
+                else:
+                    from .redis_embed import embedded_redis
 
-                redis_url, redis_kind = stack.enter_context(embedded_redis(args.embedded_redis))
-        else:
-            redis_url, redis_kind = None, "unused"
-        results = asyncio.run(_run_all(args, sc, workload, env, policies, redis_url, base_cfg, time_scale,
-                                       console))
+                    redis_url, redis_kind = stack.enter_context(embedded_redis(args.embedded_redis))
+            else:
+                redis_url, redis_kind = None, "unused"
+            results = asyncio.run(_run_all(args, sc, workload, env, policies, redis_url, base_cfg,
+                                           time_scale, console))
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the simulator and Redis were stopped on the way out
+        console.print("[red]interrupted[/]: no results written")
+        return 130
     elapsed = time.monotonic() - t_start
 
     summary = summarize(results, workload)
