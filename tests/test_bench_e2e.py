@@ -56,6 +56,8 @@ def test_every_policy_end_to_end(tmp_path, redis_url):
                 assert sum(r["admissions"].values()) == r["turns"]
         if p["policy"] == "none":
             assert all(r["waited_s"] < 0.05 for r in rows)  # nothing holds a turn back
+        lag = p["loop_lag_s"]  # the bench's own event loop was watched for the whole step
+        assert lag["n"] > 0 and 0 <= lag["p50"] <= lag["p99"] <= lag["max"]
         if p["kind"] == "gate":
             assert sum(p["admissions"].values()) == n_turns
             assert p["gate"]["snapshots"]

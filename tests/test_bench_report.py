@@ -82,3 +82,24 @@ def test_hit_rate_falls_back_to_responses_when_counters_fail():
     r.counters = Counters(ok=False)
     row = summarize([r], _workload())["policies"][0]
     assert row["hit_rate_source"] == "responses (cached_tokens)" and row["hit_rate"] == 0.5
+
+
+def test_lag_warnings_name_the_policies_whose_bench_was_short_of_cpu():
+    from dataclasses import replace
+
+    from kvgate.bench.report import LAG_P50_WARN_S, lag_warnings
+
+    quiet = replace(_result(Policy("none", "none"), 10.0, 20, 100), loop_lags=[0.001] * 50 + [0.3])
+    starved = replace(_result(Policy("kvgate", "gate", admission=True, residency=True), 7.0, 80, 100,
+                              reasons=("open",)), loop_lags=[0.002, 0.02, 0.03])
+    unmeasured = _result(Policy("cap-4", "cap", cap=4), 6.0, 80, 100)
+    summary = summarize([quiet, starved, unmeasured], _workload())
+    rows = {x["policy"]: x for x in summary["policies"]}
+    assert rows["none"]["loop_lag_s"] == {"p50": 0.001, "p99": rows["none"]["loop_lag_s"]["p99"],
+                                          "max": 0.3, "n": 51}
+    assert rows["cap-4"]["loop_lag_s"]["p50"] is None
+    warnings = lag_warnings(summary, 0.02)
+    assert len(warnings) == 1 and warnings[0].startswith("kvgate: ")
+    assert "20.0 ms late" in warnings[0] and "1.00 s of model time at time scale 0.02" in warnings[0]
+    assert 0.001 < LAG_P50_WARN_S < 0.02
+    assert lag_warnings(summary, 1.0)[0].endswith("--time-scale")

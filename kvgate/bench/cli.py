@@ -19,7 +19,7 @@ from rich.markup import escape
 
 from ..config import parse_value
 from .engines import EngineClient, make_client
-from .report import checks, render_table, summarize, write_json, write_plots
+from .report import checks, lag_warnings, render_table, summarize, write_json, write_plots
 from .runner import EngineEnv, Policy, parse_policies, run_policy, scaled_gate_config
 from .workload import VOCAB_DEFAULT, ToolLatency, Workload, WorkloadSpec, generate, load_trace, parse_range
 
@@ -475,9 +475,13 @@ def run(args: argparse.Namespace) -> int:
     for name, ok, detail in verdicts:
         mark = "[green]PASS[/]" if ok else "[red]FAIL[/]"
         console.print(f"{mark} {escape(name)}: {escape(detail)}", highlight=False)  # kvgate[..] is markup
+    lagged = lag_warnings(summary, time_scale)
+    for line in lagged:
+        console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False)
     extra = {"scenario": args.scenario, "time_scale": time_scale, "engines": env.describe(),
              "redis": redis_kind, "elapsed_s": elapsed, "caps": caps,
              "checks": [{"check": n, "passed": ok, "detail": d} for n, ok, d in verdicts],
+             "warnings": lagged,
              "argv": sys.argv[1:], "version": _source_version()}
     json_path = out_dir / "bench.json"
     write_json(summary, json_path, extra)

@@ -172,6 +172,7 @@ class PolicyResult:
     error_examples: list[str] = field(default_factory=list)
     gate_config: dict = field(default_factory=dict)
     gate_samples: list[dict] = field(default_factory=list)  # (t, reserved, ceiling, windows, waiting, usage)
+    loop_lags: list[float] = field(default_factory=list)  # event-loop lateness samples, s (real time)
 
 
 class EngineEnv:
@@ -484,18 +485,33 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
         else:
             await session_body(sess, gate)
 
+    loop_lags: list[float] = []
+
+    async def lag_probe() -> None:
+        # how late the bench's event loop wakes a 10 ms sleep: every turn, wait and sample
+        # shares this loop, and at time scale s a late wake-up is 1/s times longer in model
+        # time, so a CPU-starved bench distorts what it measures (report.lag_warnings)
+        while not stop_sampling.is_set():
+            due = loop.time() + 0.01
+            await asyncio.sleep(0.01)
+            loop_lags.append(max(0.0, loop.time() - due))
+
     async def drive(gate) -> float:
         nonlocal t0
         t0 = loop.time()
         samp = asyncio.create_task(sampler(gate))
+        lag = asyncio.create_task(lag_probe())
         try:
             await wait_for(asyncio.gather(*(session(s, gate) for s in workload.sessions)),
                                    timeout=step_timeout_s)
         finally:
             stop_sampling.set()
             samp.cancel()
+            lag.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await wait_for(samp, 10.0)
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await wait_for(lag, 10.0)
         return loop.time() - t0
 
     step: dict = {}
@@ -514,4 +530,5 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
     samples.append((loop.time() - t0, final.hits, final.queries))
     return PolicyResult(policy=policy, wall_s=wall, turns=records, counters=final, samples=samples,
                         usage_samples=usage_samples, step_metrics=step, errors=len(errors),
-                        error_examples=errors[:5], gate_config=gate_info, gate_samples=gate_samples)
+                        error_examples=errors[:5], gate_config=gate_info, gate_samples=gate_samples,
+                        loop_lags=loop_lags)
