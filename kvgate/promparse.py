@@ -67,6 +67,34 @@ V_QUERIES = "vllm:prefix_cache_queries_total"
 V_PREEMPTIONS = "vllm:num_preemptions_total"
 
 
+# every sample name parse_metrics reads: bodies are cut down to these before parsing
+_WANTED = frozenset({S_CAPACITY, S_USED, S_USAGE, S_RUNNING, S_QUEUED, S_HIT_RATE, S_RETRACTED_TOTAL,
+                     S_RETRACTED_GAUGE, S_AVAILABLE, S_EVICTABLE, V_CACHE_INFO, V_USAGE, V_USAGE_OLD,
+                     V_RUNNING, V_QUEUED, V_HITS, V_QUERIES, V_PREEMPTIONS})
+# ...and the family names their # HELP / # TYPE lines may use (a counter's without _total)
+_WANTED_FAMILIES = _WANTED | {n[:-len("_total")] for n in _WANTED if n.endswith("_total")}
+
+
+def _wanted_lines(text: str) -> str:
+    """The lines of a Prometheus body that carry (or describe) a sample parse_metrics reads.
+
+    An engine's /metrics is mostly histograms the poller never looks at (a vLLM body runs to
+    hundreds of bucket lines); the text parser is pure Python, so the poller parses only
+    what it uses. A sample line's name ends at ``{`` or at the first space."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2] in _WANTED_FAMILIES:
+                keep.append(line)
+            continue
+        brace, space = line.find("{"), line.find(" ")
+        end = brace if brace != -1 and (space == -1 or brace < space) else space
+        if end > 0 and line[:end] in _WANTED:
+            keep.append(line)
+    return "\n".join(keep) + "\n" if keep else ""
+
+
 class MetricsParseError(ValueError):
     """The text is not Prometheus text, or lacks the KV metrics kvgate needs."""
 
@@ -118,13 +146,17 @@ def _finite(v) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def _read_samples(text: str) -> list[tuple[str, dict, float | None]]:
+def _check_text(text: str) -> None:
     if not isinstance(text, str):
         raise MetricsParseError(f"metrics body must be str, got {type(text).__name__}")
     head = text.lstrip()[:64].lower()
     if head.startswith("<") or head.startswith("{") or head.startswith("["):
         # HTML error pages and JSON bodies: say so instead of a parser message about a name.
         raise MetricsParseError(f"not Prometheus text (starts with {text.lstrip()[:20]!r})")
+
+
+def _read_samples(text: str) -> list[tuple[str, dict, float | None]]:
+    _check_text(text)
     out: list[tuple[str, dict, float | None]] = []
     try:
         for fam in text_string_to_metric_families(text):
@@ -203,9 +235,20 @@ def parse_metrics(text: str) -> EngineMetrics:
     """Parse one engine's ``/metrics`` body; raise :class:`MetricsParseError` when unusable.
 
     Usable means: Prometheus text with a known engine kind and a positive KV capacity for
-    every data-parallel rank it reports.
+    every data-parallel rank it reports. Only the lines of the samples it reads are parsed;
+    a body that is unusable that way is parsed whole, so errors name what is wrong with it.
     """
-    samples = _read_samples(text)
+    _check_text(text)
+    short = _wanted_lines(text)
+    if short:
+        try:
+            return _parse_samples(_read_samples(short))
+        except MetricsParseError:
+            pass
+    return _parse_samples(_read_samples(text))
+
+
+def _parse_samples(samples: list[tuple[str, dict, float | None]]) -> EngineMetrics:
     if not samples:
         raise MetricsParseError("empty metrics body")
     kind = _detect_kind(n for n, _, _ in samples)

@@ -163,3 +163,28 @@ def test_truncated_body_is_error_or_consistent():
         for r in m.ranks:
             assert r.capacity_tokens > 0
             assert r.usage is None or (0 <= r.usage <= 1 and not math.isnan(r.usage))
+
+
+@pytest.mark.parametrize("name", ["sglang_dp_metrics.txt", "sglang_single_metrics.txt", "sglang_tp2_metrics.txt",
+                                  "vllm_dp_metrics.txt", "vllm_real_metrics.txt", "vllm_single_metrics.txt"])
+def test_parsing_only_the_read_lines_gives_what_parsing_everything_gives(name):
+    from pathlib import Path
+
+    from kvgate import promparse
+
+    text = (Path(__file__).parent / "data" / name).read_text()
+    short = promparse._wanted_lines(text)
+    assert len(short) < len(text)
+    assert promparse.parse_metrics(text) == promparse._parse_samples(promparse._read_samples(text))
+
+
+def test_junk_in_metrics_the_poller_does_not_read_is_ignored_but_junk_in_its_own_is_not():
+    from kvgate import promparse
+
+    good = "# TYPE sglang:max_total_num_tokens gauge\nsglang:max_total_num_tokens 1000\nsglang:token_usage 0.5\n"
+    m = promparse.parse_metrics(good + 'sglang:some_histogram_bucket{le="oops" 3\n')
+    assert (m.ranks[0].capacity_tokens, m.ranks[0].usage) == (1000, 0.5)
+    with pytest.raises(promparse.MetricsParseError):
+        promparse.parse_metrics(good.replace("0.5", "zero point five"))
+    with pytest.raises(promparse.MetricsParseError, match="not Prometheus text"):
+        promparse.parse_metrics("<html>\n" + good)
