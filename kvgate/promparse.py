@@ -71,8 +71,6 @@ V_PREEMPTIONS = "vllm:num_preemptions_total"
 _WANTED = frozenset({S_CAPACITY, S_USED, S_USAGE, S_RUNNING, S_QUEUED, S_HIT_RATE, S_RETRACTED_TOTAL,
                      S_RETRACTED_GAUGE, S_AVAILABLE, S_EVICTABLE, V_CACHE_INFO, V_USAGE, V_USAGE_OLD,
                      V_RUNNING, V_QUEUED, V_HITS, V_QUERIES, V_PREEMPTIONS})
-# ...and the family names their # HELP / # TYPE lines may use (a counter's without _total)
-_WANTED_FAMILIES = _WANTED | {n[:-len("_total")] for n in _WANTED if n.endswith("_total")}
 
 
 def _wanted_lines(text: str) -> str:
@@ -80,17 +78,25 @@ def _wanted_lines(text: str) -> str:
 
     An engine's /metrics is mostly histograms the poller never looks at (a vLLM body runs to
     hundreds of bucket lines); the text parser is pure Python, so the poller parses only
-    what it uses. A sample line's name ends at ``{`` or at the first space."""
+    what it uses."""
+    return select_lines(text, _WANTED)
+
+
+def select_lines(text: str, names: frozenset[str] | set[str]) -> str:
+    """The sample lines of ``text`` whose name is in ``names``, with the ``# HELP`` / ``# TYPE``
+    lines of their families (a counter's family may be named without ``_total``). A sample
+    line's name ends at ``{`` or at the first space."""
+    families = set(names) | {n[:-len("_total")] for n in names if n.endswith("_total")}
     keep = []
     for line in text.splitlines():
         if line.startswith("#"):
             parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2] in _WANTED_FAMILIES:
+            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2] in families:
                 keep.append(line)
             continue
         brace, space = line.find("{"), line.find(" ")
         end = brace if brace != -1 and (space == -1 or brace < space) else space
-        if end > 0 and line[:end] in _WANTED:
+        if end > 0 and line[:end] in names:
             keep.append(line)
     return "\n".join(keep) + "\n" if keep else ""
 

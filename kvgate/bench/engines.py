@@ -23,6 +23,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from .._json import dumps as _dumps, loads as _loads
+from ..promparse import select_lines
 
 _JSON = {"content-type": "application/json"}
 
@@ -76,7 +77,7 @@ def parse_counters(text: str, names: dict[str, tuple[str, ...]]) -> Counters:
     """Read the counters ``names`` from Prometheus text (rank series by max, others summed)."""
     groups: dict[str, dict[tuple, float]] = {k: {} for k in names}
     wanted = {n: k for k, ns in names.items() for n in ns}
-    for fam in text_string_to_metric_families(text):
+    for fam in text_string_to_metric_families(select_lines(text, set(wanted))):
         for s in fam.samples:
             key = wanted.get(s.name)
             if key is None or not math.isfinite(s.value):
