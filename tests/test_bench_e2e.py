@@ -283,7 +283,8 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs /proc")
-def test_sigterm_stops_the_simulator_and_the_embedded_redis(tmp_path):
+@pytest.mark.parametrize("delay", [0.0, 0.5])  # 0: while the simulator is still starting
+def test_sigterm_stops_the_simulator_and_the_embedded_redis(tmp_path, delay):
     # a `kill` of the bench must not orphan its children: the simulator process and the
     # private redis-server are stopped by the same clean-up as Ctrl-C, and the exit is 130
     import signal
@@ -310,7 +311,7 @@ def test_sigterm_stops_the_simulator_and_the_embedded_redis(tmp_path):
                 break
             time.sleep(0.1)
         assert any("kvgate.sim" in c for c in cmds), cmds
-        time.sleep(0.5)
+        time.sleep(delay)
         p.send_signal(signal.SIGTERM)
         rc = p.wait(timeout=60)
         out = p.stdout.read().decode()

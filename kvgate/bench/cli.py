@@ -251,7 +251,16 @@ class SimEnv(EngineEnv):
 
         cluster = SimCluster(self.engines, self.profile, time_scale=self.time_scale, router=False,
                              process=not self.in_process, health_check_interval_s=None)
-        await asyncio.to_thread(cluster.start)
+        starting = asyncio.ensure_future(asyncio.to_thread(cluster.start))
+        try:
+            await asyncio.shield(starting)
+        except BaseException:
+            # interrupted (Ctrl-C, SIGTERM) while the simulator starts: let the start finish
+            # (it is bounded) and stop what it started, or its process outlives the bench
+            with contextlib.suppress(BaseException):
+                await starting
+            await asyncio.to_thread(cluster.stop)
+            raise
         client = None
         try:
             client = make_client("sglang", cluster.engine_urls, cluster.engine_urls)
