@@ -115,8 +115,9 @@ class EngineClient:
         self.generate_urls = [u.rstrip("/") for u in generate_urls]
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self._timeout = httpx.Timeout(timeout_s, connect=10.0)
-        per = max(1, math.ceil(max_connections / self.SHARDS))
-        self._limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
+        # per shard, not divided: sessions do not hash evenly, and a shard's limit must not
+        # become a concurrency cap the workload did not ask for
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._shards: list[httpx.AsyncClient | None] = [None] * self.SHARDS
 
     # Turns go through SHARDS clients picked by session: httpcore's pool looks at every
