@@ -14,6 +14,7 @@ aggregated by max; everything else (cache_source, dp rank, several engines) is s
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -90,12 +91,18 @@ def parse_counters(text: str, names: dict[str, tuple[str, ...]]) -> Counters:
                     preemptions=vals.get("preemptions", 0.0))
 
 
+@functools.lru_cache(maxsize=4096)
+def _session_hash(session_id: str) -> int:
+    """One stable hash per session, for engine placement and the client shard (computed
+    once per session, not twice per turn)."""
+    return int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=8).digest(), "little")
+
+
 def _pick(urls: Sequence[str], session_id: str) -> str:
     """Sticky placement by session hash when the bench itself has to choose an engine."""
     if len(urls) == 1:
         return urls[0]
-    h = int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=8).digest(), "little")
-    return urls[h % len(urls)]
+    return urls[_session_hash(session_id) % len(urls)]
 
 
 class EngineClient:
@@ -141,8 +148,7 @@ class EngineClient:
 
     def http_for(self, session_id: str) -> httpx.AsyncClient:
         """The client a session's turns use (one shard per session, stable)."""
-        h = int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=4).digest(), "big")
-        return self._client(h % self.SHARDS)
+        return self._client(_session_hash(session_id) % self.SHARDS)
 
     async def aclose(self) -> None:
         shards, self._shards = self._shards, [None] * self.SHARDS
