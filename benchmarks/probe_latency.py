@@ -8,11 +8,15 @@ Three ways to ask the same question ("how many leading blocks of this prompt are
            the plugin's method directly (InProcessVllmProbe.probe)
   utility  AsyncLLM (EngineCore in its own process): one UTILITY call over ZMQ (InProcessVllmProbe.aprobe)
   http     the OpenAI server's POST /kvgate/probe route (HttpProbe.probe, one engine)
+  busy     the same route while two client threads keep the engine decoding (back-to-back
+           256-token completions), plus GET /health on the same server as a control: a slow
+           /health means the API server itself is not answering, whatever the route
 
 For each prompt length it serves the prompt once (so its full blocks are cached), then probes it
 `--n` times ("hit": every block is hashed and found) and probes a cold prompt of the same length
 `--n` times ("miss": hashing stops after the first chunk), and prints p50 / p99 in milliseconds.
-Every engine is idle while probed (a busy engine answers between steps: add up to one step time).
+Every engine is idle while probed in the first three modes.  `max_ms` and `over_0.5s` (probes slower
+than the gate's default probe_timeout_s) matter most for `busy`.
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ def summarize(mode: str, length: int, kind: str, secs: list[float], cached_block
     ms = [s * 1e3 for s in secs]
     return {"mode": mode, "tokens": length, "case": kind, "n": len(ms), "cached_blocks": cached_blocks,
             "p50_ms": round(pct(ms, 0.50), 3), "p99_ms": round(pct(ms, 0.99), 3),
-            "mean_ms": round(statistics.fmean(ms), 3)}
+            "mean_ms": round(statistics.fmean(ms), 3), "max_ms": round(max(ms), 3),
+            "over_0.5s": sum(m > 500 for m in ms)}
 
 
 def bench_sync(mode: str, probe, serve, lengths: list[int], n: int) -> list[dict]:
@@ -136,11 +141,61 @@ def run_http(model_dir: str, lengths: list[int], n: int, max_len: int) -> list[d
         srv.stop()
 
 
+def run_busy(model_dir: str, lengths: list[int], n: int, max_len: int) -> list[dict]:
+    import threading
+
+    import httpx
+
+    from kvgate.integrations.http_probe import HttpProbe
+    from kvgate.integrations.vllm_testing import complete, start_server
+
+    srv = start_server(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=max_len,
+                       python=sys.executable)
+    stop = threading.Event()
+    served = [0]
+
+    def decode(seed: int) -> None:
+        # one fixed prompt per thread: greedy output repeats, so the background work reuses its own
+        # cached blocks instead of evicting the probed prompts
+        prompt = toks(seed, 200)
+        with httpx.Client(timeout=120.0) as c:
+            while not stop.is_set():
+                complete(srv.url, prompt, max_tokens=256, client=c)
+                served[0] += 1
+
+    class Health:  # GET /health through the same bench loop: the API server's own responsiveness
+        def __init__(self) -> None:
+            self.c = httpx.Client(base_url=srv.url, timeout=30.0)
+
+        def probe(self, _sid: str, _ids: list[int]):
+            self.c.get("/health").raise_for_status()
+            return type("R", (), {"hit_ratio": 0.0, "cached_blocks": 0, "detail": ""})()
+
+    threads = [threading.Thread(target=decode, args=(10_000 * (k + 1),), daemon=True) for k in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        with HttpProbe([srv.url], timeout_s=30.0) as probe:
+            rows = bench_sync("busy", probe, lambda ids: complete(srv.url, ids, max_tokens=1), lengths, n)
+        health = bench_sync("health", Health(), lambda ids: None, lengths[:1], n)[:1]  # "hit" half only
+        health[0]["tokens"], health[0]["case"] = 0, "-"
+        rows += health
+        print(f"# busy: {served[0]} background completions of 256 tokens while probing", flush=True)
+        return rows
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=130)
+        srv.stop()
+
+
 def table(rows: list[dict]) -> str:
-    lines = [f"{'mode':8} {'tokens':>6} {'case':5} {'blocks':>6} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}"]
+    lines = [f"{'mode':8} {'tokens':>6} {'case':5} {'blocks':>6} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} "
+             f"{'max ms':>8} {'>0.5s':>5}"]
     for r in rows:
         lines.append(f"{r['mode']:8} {r['tokens']:>6} {r['case']:5} {r['cached_blocks']:>6} "
-                     f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['mean_ms']:>8.3f}")
+                     f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['mean_ms']:>8.3f} {r['max_ms']:>8.1f} "
+                     f"{r['over_0.5s']:>5}")
     return "\n".join(lines)
 
 
@@ -148,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=200, help="probes per (mode, length, case)")
     ap.add_argument("--lengths", default="128,512,2048,8192", help="prompt lengths in tokens")
-    ap.add_argument("--modes", default="http,utility,direct", help="direct runs last: its in-process EngineCore freezes vLLM env reads")
+    ap.add_argument("--modes", default="http,utility,direct", help="http, utility, busy, direct; direct runs last: its in-process EngineCore freezes vLLM env reads")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -159,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvgate.integrations.vllm_testing import write_model
     model_dir = write_model(max_position=max(4096, max(lengths) + 64))
     max_len = max(2048, max(lengths) + 16)
-    runners = {"direct": run_direct, "utility": run_utility, "http": run_http}
+    runners = {"direct": run_direct, "utility": run_utility, "http": run_http, "busy": run_busy}
     rows: list[dict] = []
     for mode in args.modes.split(","):
         if mode not in runners:

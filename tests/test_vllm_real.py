@@ -148,9 +148,13 @@ def test_probe_is_read_only(server, http):
 
 
 def test_probing_does_not_change_scheduling(server, http):
+    # The request must outlast the API server's stalls: on a 2-core CPU box the OpenAI server answered
+    # nothing (not even /health) for up to ~1 s of a decoding request (benchmarks/probe_latency.py
+    # --modes busy, docs/vllm.md), and a 128-token request (0.44 s in CI) once saw no probe at all.
+    n_out = 1024
     p = toks(20, 400)
     complete(server.url, p, max_tokens=4, client=http)  # warm: the 12 full blocks are cached
-    quiet = complete(server.url, p, max_tokens=128, client=http)
+    quiet = complete(server.url, p, max_tokens=n_out, client=http)
 
     stop = threading.Event()
     answers: list[tuple[float, dict]] = []
@@ -172,7 +176,7 @@ def test_probing_does_not_change_scheduling(server, http):
         during: list = []
         for _ in range(5):
             t0 = time.monotonic()
-            busy = complete(server.url, p, max_tokens=128, client=http)
+            busy = complete(server.url, p, max_tokens=n_out, client=http)
             t1 = time.monotonic()
             during = [a for ts, a in answers if t0 < ts < t1]
             if during:
