@@ -123,12 +123,15 @@ class GateBase:
             engines = []
         fresh = age is not None and age <= self.config.staleness_s and int(raw.get("n_healthy", 0) or 0) > 0
         hit = float(raw.get("hit_rate", -1))
+        pst = float(raw.get("prefill_s_per_token", -1))
+        pl = float(raw.get("prefill_load", -1))
         return {
             "gate": self.name, "reserved": reserved, "ceiling": ceiling, "capacity": cap,
             "available": max(0, ceiling - reserved), "usage": float(raw.get("usage", 0) or 0),
             "epoch": int(raw.get("epoch", 0) or 0), "waiting": int(raw.get("waiting", 0)),
             "leases": int(raw.get("leases", 0)), "windows": int(raw.get("windows", 0)),
             "snapshot_age_s": age, "degraded": not fresh, "hit_rate": hit if hit >= 0 else None,
+            "prefill_s_per_token": pst if pst >= 0 else None, "prefill_load": pl if pl >= 0 else None,
             "engines": engines, "fifo_head": [txt(t) for t, _ in head],
             "totals": {txt(k): float(v) for k, v in totals.items()},
         }

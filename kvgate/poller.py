@@ -53,6 +53,12 @@ log = logging.getLogger("kvgate.poller")
 __all__ = ["Poller", "TickResult", "ScrapeResult", "engine_states", "leader_key"]
 
 
+# an interval with fewer newly computed prompt tokens than this does not update the estimate
+PREFILL_MIN_TOKENS = 256
+# the prefill load is measured over windows of at least this many seconds
+PREFILL_LOAD_WINDOW_S = 2.0
+
+
 def leader_key(gate_name: str) -> str:
     try:
         from kvgate.keys import key
@@ -95,7 +101,9 @@ def _engine_state_cls():
 
 
 def engine_states(scrapes: Sequence[ScrapeResult], *, hit_rates: dict[str, float] | None = None,
-                  known_ids: dict[str, list[str]] | None = None) -> list:
+                  known_ids: dict[str, list[str]] | None = None,
+                  prefill_costs: dict[str, float] | None = None,
+                  prefill_loads: dict[str, float] | None = None) -> list:
     """``EngineState`` list from scrape results.
 
     One state per data-parallel rank; a single-rank engine's id is its base URL, a DP rank's id
@@ -104,6 +112,7 @@ def engine_states(scrapes: Sequence[ScrapeResult], *, hit_rates: dict[str, float
     """
     EngineState = _engine_state_cls()
     hit_rates = hit_rates or {}
+    prefill_costs = prefill_costs or {}
     known_ids = known_ids if known_ids is not None else {}
     out = []
     seen: set[str] = set()
@@ -127,7 +136,9 @@ def engine_states(scrapes: Sequence[ScrapeResult], *, hit_rates: dict[str, float
             try:
                 st = EngineState(engine_id=eid, capacity_tokens=int(r.capacity_tokens),
                                  used_tokens=r.used_tokens, usage=r.usage, healthy=True,
-                                 hit_rate=hit_rates.get(eid, r.hit_rate), url=url, kind=r.kind)
+                                 hit_rate=hit_rates.get(eid, r.hit_rate), url=url, kind=r.kind,
+                                 prefill_s_per_token=prefill_costs.get(eid),
+                                 prefill_load=(prefill_loads or {}).get(eid))
             except ValueError as e:  # values the core rejects: this engine only is unhealthy
                 log.info("engine %s: unusable metrics: %s", eid, e)
                 st = EngineState(engine_id=eid, capacity_tokens=0, healthy=False, url=url, kind=r.kind)
@@ -216,6 +227,10 @@ class Poller:
         self._known_ids: dict[str, list[str]] = {}
         self._counters: dict[str, tuple[float, float]] = {}  # engine id -> (hits, queries)
         self._hit_rates: dict[str, float] = {}
+        self._prefill_sums: dict[str, tuple[float, float]] = {}  # engine id -> (seconds, tokens)
+        self._load_base: dict[str, tuple[float, float]] = {}  # engine id -> (seconds, at)
+        self._prefill_loads: dict[str, float] = {}  # engine id -> prefill seconds per wall second
+        self._prefill_costs: dict[str, float] = {}  # engine id -> smoothed s per uncached token
 
     # -- leadership -----------------------------------------------------------------------
     def _hold_lease(self) -> bool:
@@ -302,6 +317,49 @@ class Poller:
                 else:
                     self._hit_rates.pop(eid, None)
 
+    def _update_prefill_costs(self, scrapes: Sequence[ScrapeResult]) -> None:
+        """Seconds of prefill per uncached prompt token, from vLLM's per-request histogram sums
+        (``request_prefill_time_seconds`` over ``request_prefill_kv_computed_tokens``): the ratio
+        of their increments since the last scrape, once PREFILL_MIN_TOKENS new tokens were
+        computed, smoothed (half old, half new); the cumulative ratio on the first scrape.
+        Engines that do not export both sums (SGLang) have no estimate."""
+        now = time.monotonic()
+        for s in scrapes:
+            if s.metrics is None:
+                continue
+            ranks = s.metrics.ranks
+            for r in ranks:
+                eid = s.endpoint.url if len(ranks) == 1 else f"{s.endpoint.url}#dp{r.dp_rank}"
+                if r.prefill_seconds is None or r.prefill_tokens is None:
+                    for d in (self._prefill_costs, self._prefill_loads, self._prefill_sums, self._load_base):
+                        d.pop(eid, None)
+                    continue
+                prev = self._prefill_sums.get(eid)
+                if prev is None or r.prefill_tokens < prev[1] or r.prefill_seconds < prev[0]:
+                    # first sight, or the engine restarted (counters went back): start over
+                    self._prefill_sums[eid] = (r.prefill_seconds, r.prefill_tokens)
+                    self._load_base[eid] = (r.prefill_seconds, now)
+                    self._prefill_costs.pop(eid, None)
+                    self._prefill_loads.pop(eid, None)
+                    if r.prefill_tokens >= PREFILL_MIN_TOKENS:
+                        self._prefill_costs[eid] = r.prefill_seconds / r.prefill_tokens
+                    continue
+                # load: prefill seconds per wall second over at least PREFILL_LOAD_WINDOW_S (the
+                # sums move only when requests finish, so short intervals are mostly noise)
+                base = self._load_base[eid]
+                if now - base[1] >= PREFILL_LOAD_WINDOW_S:
+                    load = (r.prefill_seconds - base[0]) / (now - base[1])
+                    old = self._prefill_loads.get(eid)
+                    self._prefill_loads[eid] = load if old is None else 0.5 * old + 0.5 * load
+                    self._load_base[eid] = (r.prefill_seconds, now)
+                ds, dt = r.prefill_seconds - prev[0], r.prefill_tokens - prev[1]
+                if dt < PREFILL_MIN_TOKENS:
+                    continue  # too little new work to measure: keep the sums and the last estimate
+                self._prefill_sums[eid] = (r.prefill_seconds, r.prefill_tokens)
+                new = ds / dt
+                old = self._prefill_costs.get(eid)
+                self._prefill_costs[eid] = new if old is None else 0.5 * old + 0.5 * new
+
     async def atick(self, client: httpx.AsyncClient | None = None) -> TickResult:
         t0 = time.monotonic()
         self.ticks += 1
@@ -343,7 +401,9 @@ class Poller:
             if s.error:
                 log.info("engine %s unhealthy this round: %s", s.endpoint.url, s.error)
         self._update_hit_rates(scrapes)
-        res.states = engine_states(scrapes, hit_rates=self._hit_rates, known_ids=self._known_ids)
+        self._update_prefill_costs(scrapes)
+        res.states = engine_states(scrapes, hit_rates=self._hit_rates, known_ids=self._known_ids,
+                                   prefill_costs=self._prefill_costs, prefill_loads=self._prefill_loads)
         if not any(st.healthy for st in res.states):
             res.reason = "no_healthy_engine" if endpoints else "no_engines"
             return False

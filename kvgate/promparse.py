@@ -65,12 +65,17 @@ V_QUEUED = "vllm:num_requests_waiting"
 V_HITS = "vllm:prefix_cache_hits_total"
 V_QUERIES = "vllm:prefix_cache_queries_total"
 V_PREEMPTIONS = "vllm:num_preemptions_total"
+# both observed once per finished request: prefill seconds, and the prompt tokens it computed
+# (cached tokens excluded); their sums give seconds per uncached token
+V_PREFILL_S = "vllm:request_prefill_time_seconds_sum"
+V_PREFILL_TOKENS = "vllm:request_prefill_kv_computed_tokens_sum"
 
 
 # every sample name parse_metrics reads: bodies are cut down to these before parsing
 _WANTED = frozenset({S_CAPACITY, S_USED, S_USAGE, S_RUNNING, S_QUEUED, S_HIT_RATE, S_RETRACTED_TOTAL,
                      S_RETRACTED_GAUGE, S_AVAILABLE, S_EVICTABLE, V_CACHE_INFO, V_USAGE, V_USAGE_OLD,
-                     V_RUNNING, V_QUEUED, V_HITS, V_QUERIES, V_PREEMPTIONS})
+                     V_RUNNING, V_QUEUED, V_HITS, V_QUERIES, V_PREEMPTIONS, V_PREFILL_S,
+                     V_PREFILL_TOKENS})
 
 
 def _wanted_lines(text: str) -> str:
@@ -122,6 +127,8 @@ class RankMetrics:
     preemptions: float | None = None
     available_tokens: int | None = None
     evictable_tokens: int | None = None
+    prefill_seconds: float | None = None  # cumulative (vLLM histogram sums)
+    prefill_tokens: float | None = None
     series: int = 1  # how many rank series were folded into this record
 
     def as_dict(self) -> dict:
@@ -368,6 +375,8 @@ def _build_rank(kind: str, dp: str | None, g: _Group) -> RankMetrics:
         prefix_cache_hits=hits,
         prefix_cache_queries=queries,
         preemptions=g.get(V_PREEMPTIONS),
+        prefill_seconds=g.get(V_PREFILL_S),
+        prefill_tokens=g.get(V_PREFILL_TOKENS),
         series=max(g.series.get(V_USAGE, 1), 1),
     )
 

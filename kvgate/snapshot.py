@@ -16,6 +16,10 @@ class EngineState:
     ``capacity_tokens``: KV tokens the engine can hold (SGLang ``max_total_num_tokens``,
     vLLM ``num_gpu_blocks * block_size``). ``usage`` (0..1) is taken as given; when it is
     None it is ``used_tokens / capacity_tokens``. Unhealthy engines count for nothing.
+    ``prefill_s_per_token``: measured seconds of prefill per uncached prompt token (None when
+    the engine does not say); it bounds waits by re-prefill cost (``wait_cost_ratio``).
+    ``prefill_load``: seconds of prefill per second of wall time over the last interval (the
+    mean number of requests in their prefill phase; None when not measured).
     """
 
     engine_id: str
@@ -26,6 +30,8 @@ class EngineState:
     hit_rate: float | None = None
     url: str | None = None
     kind: str = "sglang"
+    prefill_s_per_token: float | None = None
+    prefill_load: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine_id, str) or not self.engine_id:
@@ -39,6 +45,11 @@ class EngineState:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or math.isnan(v) or not 0.0 <= v <= 1.0):
                 raise ValueError(f"{name} of {self.engine_id} must be in [0, 1], got {v!r}")
+        for name in ("prefill_s_per_token", "prefill_load"):
+            p = getattr(self, name)
+            if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p)
+                                  or p < 0):
+                raise ValueError(f"{name} of {self.engine_id} must be a finite number >= 0, got {p!r}")
         if self.healthy and self.capacity_tokens == 0:
             raise ValueError(f"healthy engine {self.engine_id} reports capacity_tokens=0")
 
@@ -55,7 +66,9 @@ class EngineState:
                 "used": self.used_tokens if self.used_tokens is not None else -1,
                 "usage": self.effective_usage, "healthy": 1 if self.healthy else 0,
                 "hit": self.hit_rate if self.hit_rate is not None else -1,
-                "url": self.url or "", "kind": self.kind}
+                "url": self.url or "", "kind": self.kind,
+                "pst": self.prefill_s_per_token if self.prefill_s_per_token is not None else -1,
+                "pl": self.prefill_load if self.prefill_load is not None else -1}
 
 
 @dataclass(frozen=True)

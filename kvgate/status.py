@@ -70,6 +70,10 @@ def render_status(status: Mapping, *, leader: str | None = None, title: str | No
     head.add_row("usage (worst)", Text(f"{fmt_pct(s.get('usage'))}  ") + _bar(float(s.get("usage") or 0)))
     if s.get("hit_rate") is not None:
         head.add_row("prefix hit rate", fmt_pct(s.get("hit_rate")))
+    if s.get("prefill_s_per_token") is not None:
+        load = s.get("prefill_load")
+        head.add_row("prefill cost", f"{float(s['prefill_s_per_token']) * 1e6:.1f} us/token (slowest engine)"
+                     + ("" if load is None else f", load {float(load):.2f} (busiest)"))
     head.add_row("fifo waiting", str(s.get("waiting", 0)))
     head.add_row("leases", str(s.get("leases", 0)))
     head.add_row("windows", str(s.get("windows", 0)))

@@ -5,7 +5,8 @@
   KEYS: the 14 gate keys (includes/common.lua).
   ARGV[1] now ms or ""; ARGV[2] JSON: drain (0/1 reset the window), stale_ms.
   Returns JSON {stats={field=value...}, reserved, epoch, leases, waiting, windows,
-    capacity, usage, hit_rate, snapshot_age_ms (-1 when none), n_healthy}
+    capacity, usage, hit_rate, snapshot_age_ms (-1 when none), n_healthy,
+    prefill_s_per_token (-1 when not measured)}
 ]]
 --@include common
 
@@ -13,7 +14,8 @@ local flat = redis.call("HGETALL", K.stats)
 local st = {}
 for i = 1, #flat, 2 do st[flat[i]] = flat[i + 1] end
 if P.drain == 1 then redis.call("DEL", K.stats) end
-local v = redis.call("HMGET", K.snapshot, "ts_ms", "capacity", "usage", "hit_rate", "n_healthy")
+local v = redis.call("HMGET", K.snapshot, "ts_ms", "capacity", "usage", "hit_rate", "n_healthy",
+  "prefill_s_per_token", "prefill_load")
 local age = -1
 if v[1] then age = NOW - tonumber(v[1]) end
 return cjson.encode({
@@ -21,4 +23,5 @@ return cjson.encode({
   leases = redis.call("ZCARD", K.lease_exp), waiting = redis.call("ZCARD", K.fifo),
   windows = redis.call("HLEN", K.windows), capacity = num(v[2], 0), usage = num(v[3], 0),
   hit_rate = num(v[4], -1), snapshot_age_ms = age, n_healthy = num(v[5], 0), now = NOW,
+  prefill_s_per_token = num(v[6], -1), prefill_load = num(v[7], -1),
 })

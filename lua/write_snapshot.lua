@@ -7,14 +7,17 @@
   KEYS: the 14 gate keys (includes/common.lua).
   ARGV[1] now ms or ""; ARGV[2] JSON: engines = [{id (str), cap (int tokens),
     used (int tokens), usage (float 0..1), healthy (0/1), hit (float or -1), url (str),
-    kind (str)}], plus the knobs of release.lua.
+    kind (str), pst (prefill seconds per uncached token, or -1)}], plus the knobs of
+    release.lua. The snapshot's prefill_s_per_token is the slowest healthy engine's (-1: none
+    measured).
   Returns JSON {epoch=n, bumped=0|1, capacity=tokens, usage=float, n_healthy=n}
-  Publishes "e <epoch>" on a bump, "g <ticket>" for FIFO grants.
+  Publishes "e <epoch>" on a bump, "g <ticket>" for FIFO grants, "a <ticket>" for waiters
+  the measured prefill cost now lets age (they re-check at once).
 ]]
 --@include common
 --@include state
 
-local cap, usage, nh, hit_sum, hit_n = 0, 0, 0, 0, 0
+local cap, usage, nh, hit_sum, hit_n, pst, pl = 0, 0, 0, 0, 0, -1, -1
 local ids = {}
 for _, e in ipairs(P.engines or {}) do
   if e.healthy == 1 then
@@ -22,6 +25,8 @@ for _, e in ipairs(P.engines or {}) do
     cap = cap + math.floor(num(e.cap, 0))
     usage = math.max(usage, num(e.usage, 0))
     table.insert(ids, tostring(e.id))
+    if num(e.pst, -1) >= 0 then pst = math.max(pst, e.pst) end
+    if num(e.pl, -1) >= 0 then pl = math.max(pl, e.pl) end
     if num(e.hit, -1) >= 0 then
       hit_sum = hit_sum + e.hit
       hit_n = hit_n + 1
@@ -44,7 +49,8 @@ local hit = -1
 if hit_n > 0 then hit = hit_sum / hit_n end
 redis.call("HSET", K.snapshot, "ts_ms", I(NOW), "capacity", I(cap), "usage", tostring(usage),
   "n_engines", I(#(P.engines or {})), "n_healthy", I(nh), "healthy_sig", sig,
-  "hit_rate", tostring(hit), "engines", cjson.encode(P.engines or {}))
+  "hit_rate", tostring(hit), "prefill_s_per_token", tostring(pst), "prefill_load", tostring(pl),
+  "engines", cjson.encode(P.engines or {}))
 if nh > 0 then
   statf("usage_sum", usage)
   stat("usage_n")
@@ -54,4 +60,14 @@ end
 local snap = snapshot()
 trim(snap, num(P.reap, 8))
 advance(num(P.reap, 8), snap)
+-- a fresh prefill measurement can shorten waits (acquire.lua, wait_cost_ratio): the oldest
+-- waiters already past their new bound are told to re-check now, not at their next poll
+if num(P.wcr, 0) > 0 and snap.fresh and snap.pst > 0 and snap.pl >= 0 and snap.pl < num(P.wcl, 0.3) then
+  for _, t in ipairs(redis.call("ZRANGE", K.fifo, 0, num(P.reap, 8) - 1)) do
+    local w = jget(K.waiters, t)
+    if w and w.st == "w" and NOW - w.e >= P.wcr * snap.pst * num(w.n, 0) * 1000 then
+      publish("a " .. t)
+    end
+  end
+end
 return cjson.encode({ epoch = epoch(), bumped = bumped, capacity = cap, usage = usage, n_healthy = nh })

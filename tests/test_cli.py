@@ -117,6 +117,12 @@ def test_status_json_and_rich(redis_url, engine, capsys):
     assert main(["status", "--redis", redis_url, "--gate", "cli", "--headroom", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "engines" in out and engine.url in out and "25.00k" in out  # ceiling with the flag's headroom
+    assert "prefill cost" not in out  # nothing measured it
+    gate.write_snapshot([kvgate.EngineState(engine_id=engine.url, capacity_tokens=50_000, used_tokens=10_000,
+                                            url=engine.url, prefill_s_per_token=2.5e-4, prefill_load=0.42)])
+    assert main(["status", "--redis", redis_url, "--gate", "cli"]) == 0
+    out = capsys.readouterr().out
+    assert "250.0 us/token" in out and "load 0.42" in out
 
 
 @pytest.mark.redis_real

@@ -136,6 +136,66 @@ def test_vllm_engine_and_interval_hit_rate(redis_url, servers):
     assert r.states[0].hit_rate == pytest.approx(100 / 400)  # delta of the counters
 
 
+def with_prefill(body: str, seconds: float, tokens: float) -> str:
+    """vLLM's two per-request histogram sums the poller reads for the prefill cost."""
+    labels = '{engine="0",model_name="m"}'
+    return (body + f"vllm:request_prefill_time_seconds_sum{labels} {seconds}\n"
+            f"vllm:request_prefill_kv_computed_tokens_sum{labels} {tokens}\n")
+
+
+def test_vllm_prefill_cost_per_uncached_token(redis_url, servers, monkeypatch):
+    import kvgate.poller
+
+    monkeypatch.setattr(kvgate.poller, "PREFILL_LOAD_WINDOW_S", 0.0)  # a load from every interval
+    body = read_data("vllm_single_metrics.txt")
+    e = servers(with_prefill(body, 2.0, 10_000))
+    gate = make_gate(redis_url)
+    p = Poller(gate, engines=[e.url])
+    t0 = time.monotonic()
+    r = p.tick()
+    t1 = time.monotonic()
+    assert r.states[0].prefill_s_per_token == pytest.approx(2e-4)  # cumulative on first sight
+    assert r.states[0].prefill_load is None  # a load needs an interval
+    assert gate.status()["prefill_s_per_token"] == pytest.approx(2e-4)
+    e.route("GET", "/metrics", text(with_prefill(body, 2.4, 11_000)))  # this interval: 4e-4
+    t2 = time.monotonic()
+    r = p.tick()
+    t3 = time.monotonic()
+    assert r.states[0].prefill_s_per_token == pytest.approx(3e-4)  # half old, half new
+    # 0.4 s of prefill over the wall time between the two scrapes
+    assert 0.4 / (t3 - t0) <= r.states[0].prefill_load <= 0.4 / (t2 - t1)
+    assert gate.status()["prefill_load"] == pytest.approx(r.states[0].prefill_load)
+    e.route("GET", "/metrics", text(with_prefill(body, 2.5, 11_100)))  # 100 tokens: too few to measure
+    assert p.tick().states[0].prefill_s_per_token == pytest.approx(3e-4)
+    e.route("GET", "/metrics", text(with_prefill(body, 3.5, 11_300)))  # 300 more since the last update
+    assert p.tick().states[0].prefill_s_per_token == pytest.approx(0.5 * 3e-4 + 0.5 * (1.1 / 300))
+    e.route("GET", "/metrics", text(with_prefill(body, 0.1, 1_000)))  # restarted engine: start over
+    assert p.tick().states[0].prefill_s_per_token == pytest.approx(1e-4)
+    e.route("GET", "/metrics", text(body))  # no histograms: no estimate, and none in Redis
+    st = p.tick().states[0]
+    assert (st.prefill_s_per_token, st.prefill_load) == (None, None)
+    assert (gate.status()["prefill_s_per_token"], gate.status()["prefill_load"]) == (None, None)
+
+
+def test_prefill_load_waits_for_a_whole_window(redis_url, servers):
+    body = read_data("vllm_single_metrics.txt")
+    e = servers(with_prefill(body, 2.0, 10_000))
+    p = Poller(make_gate(redis_url), engines=[e.url])
+    t0 = time.monotonic()
+    p.tick()
+    e.route("GET", "/metrics", text(with_prefill(body, 2.4, 11_000)))
+    st = p.tick().states[0]
+    assert st.prefill_s_per_token == pytest.approx(3e-4)  # the cost needs no window
+    if time.monotonic() - t0 < 2.0:  # both scrapes inside the 2 s window (a stalled box may exceed it)
+        assert st.prefill_load is None
+
+
+def test_sglang_engine_has_no_prefill_cost(redis_url, servers):
+    e = servers(sglang_metrics(10_000, 2_000))
+    p = Poller(make_gate(redis_url), engines=[e.url])
+    assert p.tick().states[0].prefill_s_per_token is None
+
+
 def test_epoch_bumps_only_when_healthy_set_changes(redis_url, servers):
     e1 = servers(sglang_metrics(10_000, 100))
     e2 = servers(sglang_metrics(10_000, 100))

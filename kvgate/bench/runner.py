@@ -417,7 +417,9 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
                     gate_samples.append({"t": round(loop.time() - t0, 3), "reserved": st.get("reserved"),
                                          "ceiling": st.get("ceiling"), "windows": st.get("windows"),
                                          "leases": st.get("leases"), "waiting": st.get("waiting"),
-                                         "usage": st.get("usage")})
+                                         "usage": st.get("usage"),
+                                         "prefill_s_per_token": st.get("prefill_s_per_token"),
+                                         "prefill_load": st.get("prefill_load")})
 
     sem = asyncio.Semaphore(policy.cap) if policy.kind in ("cap", "turncap") else None
 
