@@ -114,7 +114,8 @@ def knob_params(cfg: GateConfig, channel: str) -> dict:
         "ttl_ms": int(cfg.lease_ttl_s * 1000), "grace_ms": int(cfg.idle_grace_s * 1000),
         # a waiter re-checks at least every wait_poll_s: two missed polls mean it is gone
         "alive_ms": 2 * wait_ms + 1000, "claim_ms": 2 * wait_ms + 1000,
-        "max_wait_ms": int(cfg.max_wait_s * 1000), "gr": cfg.growth_reserve, "reap": cfg.reap_batch, "ch": channel,
+        "max_wait_ms": int(cfg.max_wait_s * 1000), "wcr": cfg.wait_cost_ratio, "wcl": cfg.wait_cost_load,
+        "gr": cfg.growth_reserve, "reap": cfg.reap_batch, "ch": channel,
     }
 
 
@@ -176,6 +177,8 @@ def acquire_flow(cfg: GateConfig, req: TurnRequest, knobs: dict, has_probe: bool
                 raise AdmissionTimeout(f"turn of session {req.session_id!r} waited {now - start:.3f}s "
                                        f"(timeout_s={req.timeout_s})")
             left = max(0.0, cfg.max_wait_s - (now - start))
+            if "mw" in r and "w" in r:  # the script's bound (sooner when re-prefill is cheap)
+                left = min(left, max(0.0, (float(r["mw"]) - float(r["w"])) / 1000.0))
             timeout = min(cfg.wait_poll_s, left + 0.01)
             if req.timeout_s is not None:
                 timeout = min(timeout, max(0.0, req.timeout_s - (now - start)) + 0.001)

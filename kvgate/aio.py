@@ -82,7 +82,7 @@ class _AsyncListener:
         if not isinstance(data, str) or " " not in data:
             return
         kind, arg = data.split(" ", 1)
-        if kind in ("g", "p"):
+        if kind in ("g", "p", "a"):  # granted, preempted, may age now: re-check
             ev = self._events.get(arg)
             if ev is not None:
                 ev.set()

@@ -8,9 +8,10 @@
     protected (0/1), retain (0/1 open an ownership window when admitted under pressure),
     probe (float): -1 not probed yet, -2 probe unavailable / not configured, else hit ratio 0..1,
     adm, res, hw, pt, hit (hit_threshold), headroom, stale_ms, ttl_ms, grace_ms, claim_ms,
-    max_wait_ms (aging), alive_ms (a waiter's liveness extension), reap (bounded work), ch (channel),
+    max_wait_ms (aging), wcr (wait_cost_ratio), wcl (wait_cost_load), alive_ms (a waiter's liveness extension), reap (bounded work), ch (channel),
     age (optional 1: the caller's clock says this attempt waited max_wait_s; age it now).
-  Returns JSON {o=outcome, r=reason, w=waited ms, t=charged tokens, ep=epoch, pos=FIFO position}
+  Returns JSON {o=outcome, r=reason, w=waited ms, t=charged tokens, ep=epoch, pos=FIFO position,
+    mw=this waiter's max wait ms (max_wait_ms, or sooner by wait_cost_ratio)}
     o = "admit" | "bypass" | "wait" | "probe" (enqueued; probe and call again) | "preempted"
     (an aged waiter is admitted, reason "aged", when admission, residency and retain are on;
     otherwise it bypasses, reason "aged")
@@ -161,6 +162,12 @@ end
 -- rule 9: wait in the global FIFO, or leave it once older than max_wait
 local reason = blocked or "queued"
 local max_wait = num(P.max_wait_ms, 30000)
+-- waiting pays only while it costs less than a re-prefill: with a measured prefill cost, and
+-- engines that spend little of their time prefilling (a re-prefill then runs in idle time),
+-- a waiter ages after wait_cost_ratio x the time to prefill its whole prompt cold, if sooner
+if num(P.wcr, 0) > 0 and snap.pst > 0 and snap.pl >= 0 and snap.pl < num(P.wcl, 0.3) then
+  max_wait = math.min(max_wait, P.wcr * snap.pst * need * 1000)
+end
 if P.age == 1 or (w and NOW - w.e >= max_wait) or (not w and max_wait <= 0) then
   if P.adm == 1 and P.res == 1 and P.retain == 1 then
     -- aged, both features on: the turn enters with a lease and a window instead of running
@@ -204,4 +211,4 @@ if g then
   redis.call("ZADD", K.lease_exp, I(NOW + num(P.ttl_ms, 600000)), ticket)
   return out("admit", g.r, { w = g.a - g.e, t = g.t })
 end
-return out("wait", reason, { w = NOW - w.e, pos = redis.call("ZRANK", K.fifo, ticket) })
+return out("wait", reason, { w = NOW - w.e, pos = redis.call("ZRANK", K.fifo, ticket), mw = math.floor(max_wait) })

@@ -16,6 +16,7 @@ def test_defaults_from_the_seeds():
     assert c.expected_decode_cap is None
     assert (c.max_wait_s, c.wait_poll_s, c.idle_grace_s, c.lease_ttl_s, c.staleness_s) == (30.0, 5.0, 60.0, 600.0, 6.0)
     assert c.scope == "train"
+    assert (c.wait_cost_ratio, c.wait_cost_load) == (4.0, 0.3)  # not in the seeds (docs/decisions.md) (docs/decisions.md#wait-cost-ratio)
 
 
 BAD = [
@@ -27,6 +28,8 @@ BAD = [
     ("growth_reserve", 0.5), ("growth_reserve", 0), ("growth_reserve", math.inf), ("growth_reserve", math.nan),
     ("growth_reserve", "3"),
     ("max_wait_s", -1), ("max_wait_s", math.inf), ("wait_poll_s", 0), ("idle_grace_s", -0.1),
+    ("wait_cost_ratio", -1), ("wait_cost_ratio", math.inf), ("wait_cost_ratio", math.nan),
+    ("wait_cost_load", -0.1), ("wait_cost_load", math.inf),
     ("lease_ttl_s", 0), ("staleness_s", 0), ("scope", "eval"), ("scope", ""),
     ("admission", 1), ("residency", "yes"), ("session_lifecycle", None),
     ("redis_timeout_s", 0), ("probe_timeout_s", -1), ("close_timeout_s", 0), ("reap_batch", 0),

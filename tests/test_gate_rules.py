@@ -331,6 +331,102 @@ def test_aged_admission_ends_the_longest_idle_windows_first(backend, clock):
     assert ledger(g) == 0
 
 
+def priced(states, s_per_token, load=0.1):
+    import dataclasses
+    return [dataclasses.replace(e, prefill_s_per_token=s_per_token, prefill_load=load) for e in states]
+
+
+@pytest.mark.parametrize("ratio, load, bound_ms", [(4.0, 0.1, 800), (0.0, 0.1, 30000), (4.0, 0.3, 30000),
+                                                   (4.0, None, 30000)])
+def test_measured_prefill_cost_shortens_the_wait(backend, clock, ratio, load, bound_ms):
+    # 1 ms per uncached token, a 200-token turn: a cold prefill costs 0.2 s, so with
+    # wait_cost_ratio 4 the waiter ages after 0.8 s instead of max_wait_s; not with the ratio
+    # at 0, nor when the engines spend wait_cost_load (0.3) or more of their time prefilling
+    # (a re-prefill then takes time others need), nor when that load is not measured
+    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, wait_cost_ratio=ratio)
+    g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001, load))
+    held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
+    r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
+    assert (r["o"], r["r"], r["mw"]) == ("wait", "capacity_exhausted", bound_ms)
+    clock.advance(0.7)
+    g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001, load))
+    assert script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)["o"] == "wait"
+    clock.advance(0.1)
+    g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001, load))
+    r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
+    if bound_ms == 800:
+        assert (r["o"], r["r"], r["w"]) == ("admit", "aged", 800)
+        script(g, "release", ticket="t")
+        g.finish_session("new")
+    else:
+        assert (r["o"], r["mw"]) == ("wait", 30000)  # max_wait_s alone: 29.2 s to go
+        script(g, "cancel", ticket="t", aged=0)
+    held.release()
+    g.finish_session("a")
+    assert ledger(g) == 0
+
+
+def test_unmeasured_prefill_cost_keeps_max_wait(backend, clock):
+    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30)
+    g.write_snapshot(engines(cap=1000, usage=0.1))  # no engine says what a prefill costs
+    held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
+    r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
+    assert (r["o"], r["mw"]) == ("wait", 30000)
+    script(g, "cancel", ticket="t", aged=0)
+    held.release()
+
+
+def test_snapshot_keeps_the_slowest_engines_prefill_cost(backend, clock):
+    g = mkgate(backend, clock)
+    e = engines(cap=1000, usage=0.1, n=3)
+    g.write_snapshot(priced(e[:1], 2e-4, 0.6) + priced(e[1:2], 5e-4, 0.2) + e[2:])  # e[2] measures nothing
+    st = g.status()
+    assert (st["prefill_s_per_token"], st["prefill_load"]) == (pytest.approx(5e-4), pytest.approx(0.6))
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    assert (g.status()["prefill_s_per_token"], g.status()["prefill_load"]) == (None, None)
+
+
+def test_client_rechecks_at_the_cost_bound_not_the_poll_interval(backend):
+    # wait_poll_s 30: a client that slept a poll interval would wait 30 s; the script's bound
+    # (0.2 s) tells it when to re-check, and the turn enters aged long before the poll
+    g = mkgate(backend, headroom=1.0, max_wait_s=60, wait_poll_s=30, wait_cost_ratio=1.0)
+    g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001))
+    held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
+    lease = g.acquire("new", prompt_tokens=200, max_new_tokens=0)
+    assert (lease.outcome, lease.reason) == ("admit", "aged")
+    assert 0.2 <= lease.waited_s < 30
+    lease.release()
+    held.release()
+    for sid in ("a", "new"):
+        g.finish_session(sid)
+    assert ledger(g) == 0
+
+
+def test_new_prefill_measurement_wakes_waiters_past_their_bound(backend):
+    # the turn starts waiting before any engine measured its prefill (bound: max_wait_s 60,
+    # next poll in 30 s); the measurement arrives, the snapshot write tells it to re-check
+    g = mkgate(backend, headroom=1.0, max_wait_s=60, wait_poll_s=30, wait_cost_ratio=1.0)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(lease=g.acquire("new", prompt_tokens=200, max_new_tokens=0)))
+    t.start()
+    deadline = time.monotonic() + 20
+    while g.redis.zcard(g.key("fifo")) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # past the coming bound: 1 x 1 ms x 200 tokens = 0.2 s
+    g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001))
+    t.join(timeout=25)
+    assert not t.is_alive(), "the waiter slept through the wake-up"
+    lease = out["lease"]
+    assert (lease.outcome, lease.reason) == ("admit", "aged") and lease.waited_s < 30
+    lease.release()
+    held.release()
+    for sid in ("a", "new"):
+        g.finish_session(sid)
+    assert ledger(g) == 0
+
+
 def test_aged_admission_over_commits_when_no_window_is_idle(backend, clock):
     g = mkgate(backend, clock, headroom=1.0, max_wait_s=30)
     g.write_snapshot(engines(cap=1000, usage=0.1))
@@ -566,7 +662,12 @@ def test_bad_snapshot(backend, bad):
 
 @pytest.mark.parametrize("kw", [dict(capacity_tokens=-1), dict(capacity_tokens=10, usage=1.5),
                                 dict(capacity_tokens=0), dict(capacity_tokens=10, used_tokens=-2),
-                                dict(capacity_tokens=10, hit_rate=float("nan"))])
+                                dict(capacity_tokens=10, hit_rate=float("nan")),
+                                dict(capacity_tokens=10, prefill_s_per_token=-1e-3),
+                                dict(capacity_tokens=10, prefill_s_per_token=float("inf")),
+                                dict(capacity_tokens=10, prefill_s_per_token="1"),
+                                dict(capacity_tokens=10, prefill_load=-0.5),
+                                dict(capacity_tokens=10, prefill_load=float("nan"))])
 def test_bad_engine_state(kw):
     with pytest.raises(ValueError):
         kvgate.EngineState("e", **kw)
