@@ -147,6 +147,16 @@ def engine_states(scrapes: Sequence[ScrapeResult], *, hit_rates: dict[str, float
     return out
 
 
+def _scraped_ranks(scrapes: Sequence[ScrapeResult]):
+    """(engine id, RankMetrics) of every rank that was scraped (ids as in ``engine_states``)."""
+    for s in scrapes:
+        if s.metrics is None:
+            continue
+        ranks = s.metrics.ranks
+        for r in ranks:
+            yield (s.endpoint.url if len(ranks) == 1 else f"{s.endpoint.url}#dp{r.dp_rank}"), r
+
+
 def _kind_guess(s: ScrapeResult) -> str:
     return "vllm" if (s.endpoint.worker_type or "").startswith("vllm") else "sglang"
 
@@ -294,71 +304,63 @@ class Poller:
     def _update_hit_rates(self, scrapes: Sequence[ScrapeResult]) -> None:
         """Interval hit rate from vLLM's cumulative counters (delta hits / delta queries);
         the cumulative ratio when there is no usable previous sample."""
-        for s in scrapes:
-            if s.metrics is None:
+        for eid, r in _scraped_ranks(scrapes):
+            if r.prefix_cache_hits is None or r.prefix_cache_queries is None:
+                self._hit_rates.pop(eid, None)
                 continue
-            ranks = s.metrics.ranks
-            for r in ranks:
-                eid = s.endpoint.url if len(ranks) == 1 else f"{s.endpoint.url}#dp{r.dp_rank}"
-                if r.prefix_cache_hits is None or r.prefix_cache_queries is None:
-                    self._hit_rates.pop(eid, None)
+            prev = self._counters.get(eid)
+            self._counters[eid] = (r.prefix_cache_hits, r.prefix_cache_queries)
+            if prev is not None:
+                dh, dq = r.prefix_cache_hits - prev[0], r.prefix_cache_queries - prev[1]
+                if dq > 0 and 0 <= dh <= dq:
+                    self._hit_rates[eid] = dh / dq
                     continue
-                prev = self._counters.get(eid)
-                self._counters[eid] = (r.prefix_cache_hits, r.prefix_cache_queries)
-                if prev is not None:
-                    dh, dq = r.prefix_cache_hits - prev[0], r.prefix_cache_queries - prev[1]
-                    if dq > 0 and 0 <= dh <= dq:
-                        self._hit_rates[eid] = dh / dq
-                        continue
-                    if dq == 0 and eid in self._hit_rates:
-                        continue  # idle interval: keep the last rate
-                if r.hit_rate is not None:
-                    self._hit_rates[eid] = r.hit_rate
-                else:
-                    self._hit_rates.pop(eid, None)
+                if dq == 0 and eid in self._hit_rates:
+                    continue  # idle interval: keep the last rate
+            if r.hit_rate is not None:
+                self._hit_rates[eid] = r.hit_rate
+            else:
+                self._hit_rates.pop(eid, None)
 
     def _update_prefill_costs(self, scrapes: Sequence[ScrapeResult]) -> None:
         """Seconds of prefill per uncached prompt token, from vLLM's per-request histogram sums
         (``request_prefill_time_seconds`` over ``request_prefill_kv_computed_tokens``): the ratio
         of their increments since the last scrape, once PREFILL_MIN_TOKENS new tokens were
-        computed, smoothed (half old, half new); the cumulative ratio on the first scrape.
-        Engines that do not export both sums (SGLang) have no estimate."""
+        computed, smoothed (half old, half new); the cumulative ratio on the first scrape. Also
+        the prefill load: prefill seconds per wall second over windows of at least
+        PREFILL_LOAD_WINDOW_S, smoothed the same way. Engines that do not export both sums
+        (SGLang) have neither."""
         now = time.monotonic()
-        for s in scrapes:
-            if s.metrics is None:
+        for eid, r in _scraped_ranks(scrapes):
+            if r.prefill_seconds is None or r.prefill_tokens is None:
+                for d in (self._prefill_costs, self._prefill_loads, self._prefill_sums, self._load_base):
+                    d.pop(eid, None)
                 continue
-            ranks = s.metrics.ranks
-            for r in ranks:
-                eid = s.endpoint.url if len(ranks) == 1 else f"{s.endpoint.url}#dp{r.dp_rank}"
-                if r.prefill_seconds is None or r.prefill_tokens is None:
-                    for d in (self._prefill_costs, self._prefill_loads, self._prefill_sums, self._load_base):
-                        d.pop(eid, None)
-                    continue
-                prev = self._prefill_sums.get(eid)
-                if prev is None or r.prefill_tokens < prev[1] or r.prefill_seconds < prev[0]:
-                    # first sight, or the engine restarted (counters went back): start over
-                    self._prefill_sums[eid] = (r.prefill_seconds, r.prefill_tokens)
-                    self._load_base[eid] = (r.prefill_seconds, now)
-                    self._prefill_costs.pop(eid, None)
-                    self._prefill_loads.pop(eid, None)
-                    if r.prefill_tokens >= PREFILL_MIN_TOKENS:
-                        self._prefill_costs[eid] = r.prefill_seconds / r.prefill_tokens
-                    continue
-                # load: prefill seconds per wall second over at least PREFILL_LOAD_WINDOW_S (the
-                # sums move only when requests finish, so short intervals are mostly noise)
-                base = self._load_base[eid]
-                if now - base[1] >= PREFILL_LOAD_WINDOW_S:
-                    load = (r.prefill_seconds - base[0]) / (now - base[1])
-                    old = self._prefill_loads.get(eid)
-                    self._prefill_loads[eid] = load if old is None else 0.5 * old + 0.5 * load
-                    self._load_base[eid] = (r.prefill_seconds, now)
-                ds, dt = r.prefill_seconds - prev[0], r.prefill_tokens - prev[1]
-                if dt < PREFILL_MIN_TOKENS:
-                    continue  # too little new work to measure: keep the sums and the last estimate
+            prev = self._prefill_sums.get(eid)
+            if prev is None or r.prefill_tokens < prev[1] or r.prefill_seconds < prev[0]:
+                # first sight, or the engine restarted (counters went back): start over
                 self._prefill_sums[eid] = (r.prefill_seconds, r.prefill_tokens)
-                new = ds / dt
-                old = self._prefill_costs.get(eid)
-                self._prefill_costs[eid] = new if old is None else 0.5 * old + 0.5 * new
+                self._load_base[eid] = (r.prefill_seconds, now)
+                self._prefill_costs.pop(eid, None)
+                self._prefill_loads.pop(eid, None)
+                if r.prefill_tokens >= PREFILL_MIN_TOKENS:
+                    self._prefill_costs[eid] = r.prefill_seconds / r.prefill_tokens
+                continue
+            # load: prefill seconds per wall second over at least PREFILL_LOAD_WINDOW_S (the
+            # sums move only when requests finish, so short intervals are mostly noise)
+            base = self._load_base[eid]
+            if now - base[1] >= PREFILL_LOAD_WINDOW_S:
+                load = (r.prefill_seconds - base[0]) / (now - base[1])
+                old = self._prefill_loads.get(eid)
+                self._prefill_loads[eid] = load if old is None else 0.5 * old + 0.5 * load
+                self._load_base[eid] = (r.prefill_seconds, now)
+            ds, dt = r.prefill_seconds - prev[0], r.prefill_tokens - prev[1]
+            if dt < PREFILL_MIN_TOKENS:
+                continue  # too little new work to measure: keep the sums and the last estimate
+            self._prefill_sums[eid] = (r.prefill_seconds, r.prefill_tokens)
+            new = ds / dt
+            old = self._prefill_costs.get(eid)
+            self._prefill_costs[eid] = new if old is None else 0.5 * old + 0.5 * new
 
     async def atick(self, client: httpx.AsyncClient | None = None) -> TickResult:
         t0 = time.monotonic()
