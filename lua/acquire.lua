@@ -8,7 +8,8 @@
     protected (0/1), retain (0/1 open an ownership window when admitted under pressure),
     probe (float): -1 not probed yet, -2 probe unavailable / not configured, else hit ratio 0..1,
     adm, res, hw, pt, hit (hit_threshold), headroom, stale_ms, ttl_ms, grace_ms, claim_ms,
-    max_wait_ms (aging), wcr (wait_cost_ratio), wcl (wait_cost_load), alive_ms (a waiter's liveness extension), reap (bounded work), ch (channel),
+    max_wait_ms (aging), wcr (wait_cost_ratio), wcl (wait_cost_load), alive_ms (a waiter's
+    liveness extension), reap (bounded work), ch (channel),
     age (optional 1: the caller's clock says this attempt waited max_wait_s; age it now).
   Returns JSON {o=outcome, r=reason, w=waited ms, t=charged tokens, ep=epoch, pos=FIFO position,
     mw=this waiter's max wait ms (max_wait_ms, or sooner by wait_cost_ratio)}

@@ -6,7 +6,7 @@
   ARGV[1] now ms or ""; ARGV[2] JSON: drain (0/1 reset the window), stale_ms.
   Returns JSON {stats={field=value...}, reserved, epoch, leases, waiting, windows,
     capacity, usage, hit_rate, snapshot_age_ms (-1 when none), n_healthy,
-    prefill_s_per_token (-1 when not measured)}
+    prefill_s_per_token, prefill_load (-1 when not measured)}
 ]]
 --@include common
 
