@@ -84,9 +84,7 @@ class GateConfig:
                     f"high_watermark ({self.high_watermark}) must be <= pressure_threshold "
                     f"({self.pressure_threshold})")
         for name, lo_open in (("max_wait_s", False), ("wait_cost_ratio", False), ("wait_cost_load", False),
-                              ("wait_poll_s", True),
-                              ("idle_grace_s", False),
-                              ("lease_ttl_s", True), ("staleness_s", True),
+                              ("wait_poll_s", True), ("idle_grace_s", False), ("lease_ttl_s", True), ("staleness_s", True),
                               ("redis_timeout_s", True), ("probe_timeout_s", True),
                               ("close_timeout_s", True)):
             v = number(name)

@@ -113,6 +113,7 @@ def engine_states(scrapes: Sequence[ScrapeResult], *, hit_rates: dict[str, float
     EngineState = _engine_state_cls()
     hit_rates = hit_rates or {}
     prefill_costs = prefill_costs or {}
+    prefill_loads = prefill_loads or {}
     known_ids = known_ids if known_ids is not None else {}
     out = []
     seen: set[str] = set()
@@ -128,7 +129,7 @@ def engine_states(scrapes: Sequence[ScrapeResult], *, hit_rates: dict[str, float
         ranks = s.metrics.ranks
         ids = []
         for r in ranks:
-            eid = url if len(ranks) == 1 else f"{url}#dp{r.dp_rank}"
+            eid = _rank_id(url, ranks, r)
             if eid in seen:
                 continue
             seen.add(eid)
@@ -138,13 +139,18 @@ def engine_states(scrapes: Sequence[ScrapeResult], *, hit_rates: dict[str, float
                                  used_tokens=r.used_tokens, usage=r.usage, healthy=True,
                                  hit_rate=hit_rates.get(eid, r.hit_rate), url=url, kind=r.kind,
                                  prefill_s_per_token=prefill_costs.get(eid),
-                                 prefill_load=(prefill_loads or {}).get(eid))
+                                 prefill_load=prefill_loads.get(eid))
             except ValueError as e:  # values the core rejects: this engine only is unhealthy
                 log.info("engine %s: unusable metrics: %s", eid, e)
                 st = EngineState(engine_id=eid, capacity_tokens=0, healthy=False, url=url, kind=r.kind)
             out.append(st)
         known_ids[url] = ids
     return out
+
+
+def _rank_id(url: str, ranks: Sequence, r: Any) -> str:
+    """A single-rank engine is its URL; a data-parallel rank is ``<url>#dp<rank>``."""
+    return url if len(ranks) == 1 else f"{url}#dp{r.dp_rank}"
 
 
 def _scraped_ranks(scrapes: Sequence[ScrapeResult]):
@@ -154,7 +160,7 @@ def _scraped_ranks(scrapes: Sequence[ScrapeResult]):
             continue
         ranks = s.metrics.ranks
         for r in ranks:
-            yield (s.endpoint.url if len(ranks) == 1 else f"{s.endpoint.url}#dp{r.dp_rank}"), r
+            yield _rank_id(s.endpoint.url, ranks, r), r
 
 
 def _kind_guess(s: ScrapeResult) -> str:

@@ -166,9 +166,8 @@ local max_wait = num(P.max_wait_ms, 30000)
 -- waiting pays only while it costs less than a re-prefill: with a measured prefill cost, and
 -- engines that spend little of their time prefilling (a re-prefill then runs in idle time),
 -- a waiter ages after wait_cost_ratio x the time to prefill its whole prompt cold, if sooner
-if num(P.wcr, 0) > 0 and snap.pst > 0 and snap.pl >= 0 and snap.pl < num(P.wcl, 0.3) then
-  max_wait = math.min(max_wait, P.wcr * snap.pst * need * 1000)
-end
+local cost_wait = cost_wait_ms(snap, need)
+if cost_wait then max_wait = math.min(max_wait, cost_wait) end
 if P.age == 1 or (w and NOW - w.e >= max_wait) or (not w and max_wait <= 0) then
   if P.adm == 1 and P.res == 1 and P.retain == 1 then
     -- aged, both features on: the turn enters with a lease and a window instead of running

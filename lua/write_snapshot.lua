@@ -62,10 +62,10 @@ trim(snap, num(P.reap, 8))
 advance(num(P.reap, 8), snap)
 -- a fresh prefill measurement can shorten waits (acquire.lua, wait_cost_ratio): the oldest
 -- waiters already past their new bound are told to re-check now, not at their next poll
-if num(P.wcr, 0) > 0 and snap.fresh and snap.pst > 0 and snap.pl >= 0 and snap.pl < num(P.wcl, 0.3) then
+if snap.fresh and cost_wait_ms(snap, 0) then
   for _, t in ipairs(redis.call("ZRANGE", K.fifo, 0, num(P.reap, 8) - 1)) do
     local w = jget(K.waiters, t)
-    if w and w.st == "w" and NOW - w.e >= P.wcr * snap.pst * num(w.n, 0) * 1000 then
+    if w and w.st == "w" and NOW - w.e >= cost_wait_ms(snap, num(w.n, 0)) then
       publish("a " .. t)
     end
   end

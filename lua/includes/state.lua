@@ -159,6 +159,16 @@ local function free_lease(ticket)
   return l
 end
 
+-- wait_cost_ratio: how long a waiter of `need` tokens may wait when the snapshot says a cold
+-- prefill is measured and the engines have time to spare (prefill load below wait_cost_load);
+-- nil when that bound does not apply (max_wait_ms alone)
+local function cost_wait_ms(snap, need)
+  if num(P.wcr, 0) > 0 and snap.pst > 0 and snap.pl >= 0 and snap.pl < num(P.wcl, 0.3) then
+    return P.wcr * snap.pst * need * 1000
+  end
+  return nil
+end
+
 -- what a window opened now for a turn of `need` tokens reserves: the need grown by
 -- growth_reserve (sessions re-send a growing history: a window admitted at its first prompt
 -- will hold several times that before it ends), never more than the ceiling, never less than
