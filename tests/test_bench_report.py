@@ -103,3 +103,30 @@ def test_lag_warnings_name_the_policies_whose_bench_was_short_of_cpu():
     assert "20.0 ms late" in warnings[0] and "1.00 s of model time at time scale 0.02" in warnings[0]
     assert 0.001 < LAG_P50_WARN_S < 0.02
     assert lag_warnings(summary, 1.0)[0].endswith("--time-scale")
+
+
+def test_reprefill_is_attributed_to_the_admission_that_paid_for_it():
+    def turn(sid, i, prompt, cached, reason, out=10):
+        return TurnRecord(session=sid, turn=i, ready_s=i, start_s=i, done_s=i + 0.1, prompt_tokens=prompt,
+                          cached_tokens=cached, output_tokens=out, outcome="admit", reason=reason)
+    turns = [
+        turn("a", 0, 100, 0, "open"),               # first turn: nothing seen before
+        turn("a", 1, 150, 96, "reserved_session"),  # saw 110: 14 re-prefilled (a partial block)
+        turn("a", 2, 200, 0, "aged"),               # saw 160, all evicted: 160
+        turn("b", 0, 50, 0, "open"),
+        turn("b", 1, 30, 0, "open"),                # context reset (30 < 60 seen): nothing reusable
+        turn("b", 2, 80, 40, "aged"),               # saw 40, all cached: 0
+    ]
+    res = [PolicyResult(policy=Policy("kvgate", "gate", admission=True, residency=True), wall_s=1.0,
+                        turns=list(reversed(turns)), counters=Counters(0, 0), samples=[], usage_samples=[])]
+    by = summarize(res, _workload())["policies"][0]["reprefill_by_admission"]
+    assert by == {"admit/aged": {"turns": 2, "reprefill_tokens": 160},
+                  "admit/reserved_session": {"turns": 1, "reprefill_tokens": 14},
+                  "admit/open": {"turns": 3, "reprefill_tokens": 0}}
+    assert list(by) == ["admit/aged", "admit/reserved_session", "admit/open"]  # costliest first
+    # engines that report no cached_tokens: no attribution rather than a made-up one
+    blind = [TurnRecord(session="a", turn=0, ready_s=0, start_s=0, done_s=1, prompt_tokens=10,
+                        cached_tokens=None, output_tokens=1)]
+    res[0] = PolicyResult(policy=Policy("none", "none"), wall_s=1.0, turns=blind, counters=Counters(0, 0),
+                          samples=[], usage_samples=[])
+    assert summarize(res, _workload())["policies"][0]["reprefill_by_admission"] is None

@@ -77,6 +77,7 @@ def summarize(results: Sequence[PolicyResult], workload: Workload) -> dict:
             "hit_rate_over_time": _hit_series(r.samples),
             "usage_over_time": [(round(t, 3), round(u, 4)) for t, u in r.usage_samples],
             "gate_over_time": r.gate_samples,
+            "reprefill_by_admission": _reprefill_by_admission(r.turns),
             "sessions": _session_rows(r.turns, n_turns_sess),
             "loop_lag_s": {"p50": _pct(r.loop_lags, 0.5), "p99": _pct(r.loop_lags, 0.99),
                            "max": max(r.loop_lags) if r.loop_lags else None, "n": len(r.loop_lags)},
@@ -115,6 +116,41 @@ def _session_rows(turns: Sequence[Any], n_turns: dict[str, int]) -> list[dict]:
                                                       if t.outcome or t.reason).items()))})
     out.sort(key=lambda x: x["end_s"])
     return out
+
+
+def _reprefill_by_admission(turns: Sequence[Any]) -> dict[str, dict[str, int]] | None:
+    """Which admissions paid for the re-prefill: per admission (``admit/aged``, ``-`` for an
+    ungated turn), the turns and the prompt tokens the engine computed although it had seen
+    them before. Read from the responses' ``cached_tokens``, turn by turn: a turn's new tokens
+    are its prompt minus the previous turn's prompt and output (its whole prompt for a first
+    turn or a reset context); whatever else was not cached is re-prefill. ``None`` when the
+    engines report no ``cached_tokens``."""
+    by: dict[str, list[Any]] = defaultdict(list)
+    for t in turns:
+        by[t.session].append(t)
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    seen = False
+    for ts in by.values():
+        ts.sort(key=lambda t: t.turn)
+        prev = None
+        for t in ts:
+            seen_before = 0
+            if prev is not None and t.turn == prev.turn + 1:
+                seen_before = prev.prompt_tokens + prev.output_tokens
+                if t.prompt_tokens < seen_before:  # reset or truncated context: nothing reusable
+                    seen_before = 0
+            prev = t
+            if t.cached_tokens is None:
+                continue
+            seen = True
+            key = f"{t.outcome}/{t.reason}" if t.reason else (t.outcome or "-")
+            row = out[key]
+            row[0] += 1
+            row[1] += max(0, seen_before - t.cached_tokens)
+    if not seen:
+        return None
+    return {k: {"turns": n, "reprefill_tokens": tok}
+            for k, (n, tok) in sorted(out.items(), key=lambda kv: -kv[1][1])}
 
 
 def _hit_series(samples: Sequence[tuple[float, float, float]]) -> list[tuple[float, float | None]]:
@@ -241,6 +277,11 @@ def render_table(summary: dict, console: Any = None, scenario: str = "") -> None
     console.print("* best fixed cap. 'late' = turns in the last third of their session; "
                   "hit rate from the engines' own /metrics counters; re-prefill = uncached prompt "
                   "tokens beyond those no engine could have cached.")
+    for x in summary["policies"]:
+        by = x.get("reprefill_by_admission")
+        if x["kind"] == "gate" and by:
+            parts = ", ".join(f"{escape(k)} {_tok(v['reprefill_tokens'])} ({v['turns']} turns)" for k, v in by.items())
+            console.print(f"re-prefill by admission, {escape(x['policy'])}: {parts}")
 
 
 def write_json(summary: dict, path: Path, extra: dict | None = None) -> None:
