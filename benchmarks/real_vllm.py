@@ -28,17 +28,21 @@ def main() -> int:
     if not os.path.exists(a.venv_python):
         print(f"vLLM python not found: {a.venv_python} (build it with scripts/setup-vllm-cpu.sh)", file=sys.stderr)
         return 2
+    from kvgate.bench import cli as bench_cli
+
+    rest = [x for x in a.rest if x != "--"]
+    argv = ["--engine", "http://127.0.0.1:1", "--engine-kind", "vllm", "--scenario", f"cpu-{a.model}",
+            "--vocab", "1000", "--caps", "2,3,4", "--out", a.out or f"bench-out/real-vllm/{a.model}", *rest]
+    err = bench_cli.check_args(argv)  # before the ~25 s server start: a typo fails now
+    if err:
+        print(f"kvgate bench: error: {err}", file=sys.stderr)
+        return 2
     heavy = a.model == "heavy"
     model_dir = write_model(heavy=heavy)
     srv = start_server(model_dir, heavy=heavy, num_blocks=a.num_blocks, block_size=a.block_size,
                        python=a.venv_python, env={"VLLM_SERVER_DEV_MODE": "1"}, wait_s=300)
     try:
-        from kvgate.bench import cli as bench_cli
-
-        rest = [x for x in a.rest if x != "--"]
-        argv = ["--engine", srv.url, "--engine-kind", "vllm", "--scenario", f"cpu-{a.model}",
-                "--vocab", "1000", "--caps", "2,3,4",
-                "--out", a.out or f"bench-out/real-vllm/{a.model}", *rest]
+        argv[1] = srv.url
         print("kvgate bench " + " ".join(argv), flush=True)
         return bench_cli.main(argv)
     finally:

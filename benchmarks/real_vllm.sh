@@ -10,6 +10,9 @@ out="${OUT:-$here/bench-out/real-vllm}"
 models="${1:-tiny heavy}"
 shift || true
 for m in $models; do
+  case "$m" in tiny|heavy) ;; *) echo "real_vllm.sh: unknown model '$m' (tiny or heavy; bench args follow the model)" >&2; exit 2 ;; esac
+done
+for m in $models; do
   # run from the repo root's parent-free temp dir so the source tree cannot shadow the installed plugin
   (cd /tmp && python3 "$here/benchmarks/real_vllm.py" --model "$m" --out "$out/$m" -- "$@")
 done

@@ -92,6 +92,39 @@ def test_bad_arguments_exit_2_before_running(tmp_path, argv):
     assert not (tmp_path / "o").exists()
 
 
+def test_check_args_finds_the_errors_of_a_run_without_touching_an_engine():
+    # port 1 answers nothing: a probe of the pool would fail, so None means nothing was asked
+    eng = ["--engine", "http://127.0.0.1:1", "--engine-kind", "vllm", "--scenario", "cpu-heavy", "--vocab", "1000"]
+    assert bench_cli.check_args([*eng, "--caps", "2,3,4"]) is None
+    assert bench_cli.check_args([*eng]) is None  # default caps need the pool: a placeholder here
+    assert "unknown knob 'max_wait'" in bench_cli.check_args([*eng, "--policies", "kvgate[max_wait=3]"])
+    assert "--caps" in bench_cli.check_args([*eng, "--caps", "0"])
+    assert "headroom" in bench_cli.check_args([*eng, "--headroom", "7", "--policies", "kvgate"])
+    with pytest.raises(SystemExit) as e:
+        bench_cli.check_args([*eng, "heavy"])  # a stray word: argparse's own error
+    assert e.value.code == 2
+
+
+def test_real_vllm_wrapper_rejects_bad_bench_arguments_before_starting_a_server(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    # --venv-python /bin/false: a server start could not succeed even if the check let it through
+    for extra, needle in ((["--policies", "none,kvgate[max_wait=3]"], "unknown knob 'max_wait'"),
+                          (["heavy"], "unrecognized arguments: heavy")):  # `real_vllm.sh tiny heavy`
+        r = subprocess.run([sys.executable, str(root / "benchmarks" / "real_vllm.py"), "--model", "tiny",
+                            "--venv-python", "/bin/false", "--out", str(tmp_path / "o"), "--", *extra],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert r.returncode == 2, r.stderr
+        assert needle in r.stderr
+        assert not (tmp_path / "o").exists()
+    r = subprocess.run(["bash", str(root / "benchmarks" / "real_vllm.sh"), "bogus"],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 2 and "unknown model 'bogus'" in r.stderr
+
+
 def test_parse_policies():
     ps = parse_policies("none,cap,kvgate,turncap-3", [2, 8])
     assert [p.name for p in ps] == ["none", "cap-2", "cap-8", "kvgate", "turncap-3"]

@@ -404,6 +404,53 @@ def _sigterm_interrupts():
         signal.signal(signal.SIGTERM, old)
 
 
+def _prepare(args: argparse.Namespace, probe: bool) -> tuple:
+    """Check every argument and build what a run needs; ``probe=False`` touches no engine (the
+    pool is then unknown, so default caps are a placeholder). Raises ValueError."""
+    sc = SCENARIOS[args.scenario]
+    time_scale = args.time_scale if args.time_scale is not None else (1.0 if args.engine else sc.time_scale)
+    if not (math.isfinite(time_scale) and time_scale > 0):
+        raise ValueError(f"--time-scale must be > 0, got {time_scale}")
+    if args.snapshot_interval is None:
+        args.snapshot_interval = max(0.05, 1.0 * time_scale)
+    if not (args.snapshot_interval > 0):
+        raise ValueError("--snapshot-interval must be > 0")
+    workload = build_workload(args, sc)
+    env: EngineEnv | None = None
+    pool = None
+    if args.engine:
+        make_client(args.engine_kind, args.engine, args.engine)  # validates the URLs
+        if probe:
+            env = RealEnv(args.engine_kind, args.engine, args.router, args.model)
+            pool = asyncio.run(env.probe_pool())
+    else:
+        engines = args.sim_engines if args.sim_engines is not None else sc.engines
+        if engines < 1:
+            raise ValueError("--sim-engines must be >= 1")
+        env = SimEnv(args.profile or sc.profile, engines, time_scale,
+                     args.kv_capacity if args.kv_capacity is not None else sc.kv_capacity)
+        pool = env.pool_tokens
+    caps = _parse_caps(args.caps) if args.caps else default_caps(workload, pool)
+    policies = parse_policies(args.policies, caps)
+    base_cfg = base_gate_config(args)  # validated even when no gate policy runs: bad flags are errors
+    for p in policies:  # a policy's own knobs are checked now, not when its turn comes
+        if p.kind == "gate":
+            scaled_gate_config(base_cfg, p, time_scale)
+    return sc, time_scale, workload, env, pool, policies, base_cfg
+
+
+def check_args(argv: Sequence[str]) -> str | None:
+    """Check ``kvgate bench`` arguments without starting or probing any engine or Redis: the
+    error a run would stop on, or None. For wrappers that start engines first
+    (benchmarks/real_vllm.py), so a typo costs no server start. argparse errors exit 2."""
+    args = build_parser().parse_args(list(argv))
+    try:
+        _prepare(args, probe=False)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -414,32 +461,7 @@ def run(args: argparse.Namespace) -> int:
                           f"turns {sc.turns}, time scale {sc.time_scale})")
         return 0
     try:
-        sc = SCENARIOS[args.scenario]
-        time_scale = args.time_scale if args.time_scale is not None else (1.0 if args.engine else sc.time_scale)
-        if not (math.isfinite(time_scale) and time_scale > 0):
-            raise ValueError(f"--time-scale must be > 0, got {time_scale}")
-        if args.snapshot_interval is None:
-            args.snapshot_interval = max(0.05, 1.0 * time_scale)
-        if not (args.snapshot_interval > 0):
-            raise ValueError("--snapshot-interval must be > 0")
-        workload = build_workload(args, sc)
-        if args.engine:
-            env: EngineEnv = RealEnv(args.engine_kind, args.engine, args.router, args.model)
-            make_client(args.engine_kind, args.engine, args.engine)  # validates the URLs
-            pool = asyncio.run(env.probe_pool())
-        else:
-            engines = args.sim_engines if args.sim_engines is not None else sc.engines
-            if engines < 1:
-                raise ValueError("--sim-engines must be >= 1")
-            env = SimEnv(args.profile or sc.profile, engines, time_scale,
-                         args.kv_capacity if args.kv_capacity is not None else sc.kv_capacity)
-            pool = env.pool_tokens
-        caps = _parse_caps(args.caps) if args.caps else default_caps(workload, pool)
-        policies = parse_policies(args.policies, caps)
-        base_cfg = base_gate_config(args)  # validated even when no gate policy runs: bad flags are errors
-        for p in policies:  # a policy's own knobs are checked now, not when its turn comes
-            if p.kind == "gate":
-                scaled_gate_config(base_cfg, p, time_scale)
+        sc, time_scale, workload, env, pool, policies, base_cfg = _prepare(args, probe=True)
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
         return 2
