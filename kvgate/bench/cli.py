@@ -436,7 +436,7 @@ def _prepare(args: argparse.Namespace, probe: bool) -> tuple:
     for p in policies:  # a policy's own knobs are checked now, not when its turn comes
         if p.kind == "gate":
             scaled_gate_config(base_cfg, p, time_scale)
-    return sc, time_scale, workload, env, pool, policies, base_cfg
+    return sc, time_scale, workload, env, pool, caps, policies, base_cfg
 
 
 def check_args(argv: Sequence[str]) -> str | None:
@@ -461,7 +461,7 @@ def run(args: argparse.Namespace) -> int:
                           f"turns {sc.turns}, time scale {sc.time_scale})")
         return 0
     try:
-        sc, time_scale, workload, env, pool, policies, base_cfg = _prepare(args, probe=True)
+        sc, time_scale, workload, env, pool, caps, policies, base_cfg = _prepare(args, probe=True)
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
         return 2
