@@ -95,16 +95,22 @@ def summarize(results: Sequence[PolicyResult], workload: Workload) -> dict:
             "best_cap": best_cap["policy"] if best_cap else None}
 
 
+def _by_session(turns: Sequence[Any]) -> dict[str, list[Any]]:
+    """Each session's turn records, in turn order."""
+    by: dict[str, list[Any]] = defaultdict(list)
+    for t in turns:
+        by[t.session].append(t)
+    for ts in by.values():
+        ts.sort(key=lambda t: t.turn)
+    return by
+
+
 def _session_rows(turns: Sequence[Any], n_turns: dict[str, int]) -> list[dict]:
     """Per session, ordered by when it finished: turns, when its first turn was ready and
     when it reached the engine, when its last turn ended, and how its time split into gate
     waits, engine time and the rest (tool calls). The last rows are the step's stragglers."""
-    by: dict[str, list[Any]] = defaultdict(list)
-    for t in turns:
-        by[t.session].append(t)
     out = []
-    for sid, ts in by.items():
-        ts.sort(key=lambda t: t.turn)
+    for sid, ts in _by_session(turns).items():
         first, end = ts[0], max(t.done_s for t in ts)
         waited = sum(t.start_s - t.ready_s for t in ts)
         engine = sum(t.done_s - t.start_s for t in ts)
@@ -125,13 +131,9 @@ def _reprefill_by_admission(turns: Sequence[Any]) -> dict[str, dict[str, int]] |
     are its prompt minus the previous turn's prompt and output (its whole prompt for a first
     turn or a reset context); whatever else was not cached is re-prefill. ``None`` when the
     engines report no ``cached_tokens``."""
-    by: dict[str, list[Any]] = defaultdict(list)
-    for t in turns:
-        by[t.session].append(t)
     out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     seen = False
-    for ts in by.values():
-        ts.sort(key=lambda t: t.turn)
+    for ts in _by_session(turns).values():
         prev = None
         for t in ts:
             seen_before = 0
