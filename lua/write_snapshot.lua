@@ -7,9 +7,10 @@
   KEYS: the 14 gate keys (includes/common.lua).
   ARGV[1] now ms or ""; ARGV[2] JSON: engines = [{id (str), cap (int tokens),
     used (int tokens), usage (float 0..1), healthy (0/1), hit (float or -1), url (str),
-    kind (str), pst (prefill seconds per uncached token, or -1)}], plus the knobs of
-    release.lua. The snapshot's prefill_s_per_token is the slowest healthy engine's (-1: none
-    measured).
+    kind (str), pst (prefill seconds per uncached token, or -1), pl (prefill load: prefill
+    seconds per wall second, or -1)}], plus the knobs of release.lua. The snapshot's
+    prefill_s_per_token is the slowest healthy engine's, its prefill_load the busiest one's
+    (-1: none measured).
   Returns JSON {epoch=n, bumped=0|1, capacity=tokens, usage=float, n_healthy=n}
   Publishes "e <epoch>" on a bump, "g <ticket>" for FIFO grants, "a <ticket>" for waiters
   the measured prefill cost now lets age (they re-check at once).
