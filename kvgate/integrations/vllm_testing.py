@@ -166,6 +166,54 @@ def complete(url: str, prompt_ids: list[int], max_tokens: int = 8, timeout: floa
     return r.json()
 
 
+@dataclass
+class Streamed:
+    """What one streamed completion returned, with the client's clock at its first and last token."""
+    token_ids: list[int]
+    cached_tokens: int
+    first_token_at: float  # time.monotonic() when the first token arrived
+    last_token_at: float  # time.monotonic() when the last token arrived
+
+
+def stream_complete(url: str, prompt_ids: list[int], max_tokens: int = 8, timeout: float = 120.0,
+                    client: httpx.Client | None = None, on_first_token=None) -> Streamed:
+    """One greedy streamed /v1/completions call with a token-id prompt.
+
+    Between `first_token_at` and `last_token_at` the request is running in the engine, which lets a
+    test tell what happened *during* a request from the engine's point of view rather than from the
+    client's send and receive times.  `on_first_token()` is called once, when the first token arrives.
+    """
+    body = {"model": "tiny", "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    tokens: list[int] = []
+    cached, first, last = 0, 0.0, 0.0
+    c = client or httpx.Client(timeout=timeout)
+    try:
+        with c.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                for choice in chunk.get("choices") or ():
+                    if choice.get("token_ids"):
+                        last = time.monotonic()
+                        if not tokens:
+                            first = last
+                            if on_first_token is not None:
+                                on_first_token()
+                        tokens.extend(choice["token_ids"])
+                if chunk.get("usage"):
+                    cached = cached_tokens_of(chunk)
+    finally:
+        if client is None:
+            c.close()
+    if not tokens:
+        raise RuntimeError("the streamed completion returned no tokens")
+    return Streamed(tokens, cached, first, last)
+
+
 def cached_tokens_of(answer: dict) -> int:
     details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
     return int(details.get("cached_tokens") or 0)
