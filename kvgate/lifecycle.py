@@ -17,6 +17,7 @@ from typing import Iterable, Mapping
 
 import httpx
 
+from kvgate._http import async_client
 from kvgate.discovery import HttpError, dedupe_urls, fetch_limited
 
 __all__ = ["CloseResult", "with_session_id", "aclose_session", "close_session"]
@@ -105,7 +106,7 @@ async def aclose_session(
     if client is not None:
         outcomes = await run(client)
     else:
-        async with httpx.AsyncClient(trust_env=False) as c:
+        async with async_client(trust_env=False) as c:
             outcomes = await run(c)
     errors = tuple(e for e in outcomes if e is not None)
     return CloseResult(attempts=len(bases), failures=len(errors), errors=errors)

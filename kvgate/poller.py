@@ -38,6 +38,7 @@ import httpx
 import redis
 from redis.exceptions import LockError, RedisError
 
+from kvgate._http import async_client
 from kvgate.discovery import (
     DEFAULT_MAX_BODY_BYTES,
     Discovery,
@@ -377,7 +378,7 @@ class Poller:
             return res
         own = client is None
         if own:
-            client = httpx.AsyncClient(trust_env=False)
+            client = async_client(trust_env=False)
         try:
             res = await self._lead_tick(client)
         finally:
@@ -422,7 +423,7 @@ class Poller:
         res = TickResult(leader=False)
         t0 = time.monotonic()
         if client is None:
-            async with httpx.AsyncClient(trust_env=False) as c:
+            async with async_client(trust_env=False) as c:
                 await self._collect(c, res, fenced=False)
         else:
             await self._collect(client, res, fenced=False)
@@ -465,7 +466,7 @@ class Poller:
 
     # -- loop -----------------------------------------------------------------------------
     async def arun(self, *, max_ticks: int | None = None) -> None:
-        async with httpx.AsyncClient(trust_env=False) as client:
+        async with async_client(trust_env=False) as client:
             next_at = time.monotonic()
             n = 0
             try:

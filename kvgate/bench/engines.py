@@ -23,6 +23,7 @@ from typing import Sequence
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from .._http import async_client
 from .._json import dumps as _dumps, loads as _loads
 from ..promparse import select_lines
 
@@ -126,6 +127,8 @@ class EngineClient:
         # become a concurrency cap the workload did not ask for
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._shards: list[httpx.AsyncClient | None] = [None] * self.SHARDS
+        for i in range(self.SHARDS):  # now, not on a session's first turn inside the timed run
+            self._client(i)
 
     # Turns go through SHARDS clients picked by session: httpcore's pool looks at every
     # connection it holds (an expiry check that polls the socket) each time it assigns a
@@ -137,8 +140,8 @@ class EngineClient:
     def _client(self, shard: int) -> httpx.AsyncClient:
         c = self._shards[shard]
         if c is None:
-            c = self._shards[shard] = httpx.AsyncClient(timeout=self._timeout, limits=self._limits,
-                                                        trust_env=False)
+            c = self._shards[shard] = async_client(timeout=self._timeout, limits=self._limits,
+                                                   trust_env=False)
         return c
 
     @property

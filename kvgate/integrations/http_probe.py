@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from kvgate._http import async_client, sync_client
 from kvgate._json import dumps as _dumps
 from kvgate.integrations._common import (
     ProbeResult, best_of, check_prompt_ids, check_session_id, check_timeout, parse_probe_payload, to_result,
@@ -152,7 +153,7 @@ class HttpProbe:
     def _sync_client(self) -> httpx.Client:
         with self._lock:
             if self._client is None:
-                self._client = httpx.Client(timeout=httpx.Timeout(self.timeout_s), headers=self.headers,
+                self._client = sync_client(timeout=httpx.Timeout(self.timeout_s), headers=self.headers,
                                             limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
             return self._client
 
@@ -195,7 +196,7 @@ class HttpProbe:
             for key, (other, _) in list(self._aclients.items()):
                 if other.is_closed():  # a finished asyncio.run(): its client cannot be used any more
                     del self._aclients[key]
-            entry = (loop, httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s), headers=self.headers,
+            entry = (loop, async_client(timeout=httpx.Timeout(self.timeout_s), headers=self.headers,
                                              limits=httpx.Limits(max_connections=64,
                                                                  max_keepalive_connections=32)))
             self._aclients[id(loop)] = entry

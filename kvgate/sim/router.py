@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from .._http import async_client
 from .client import HttpPool as _Pool
 from .http import _loads, error, json_response
 
@@ -73,7 +74,7 @@ class SimRouter:
     # ----------------------------------------------------------- lifecycle
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s, connect=2.0),
+        self._client = async_client(timeout=httpx.Timeout(self.request_timeout_s, connect=2.0),
                                          limits=limits, trust_env=False)
         if self.health_check_interval_s:
             self._health_task = asyncio.create_task(self._health_loop())
