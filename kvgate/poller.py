@@ -372,7 +372,7 @@ class Poller:
     async def atick(self, client: httpx.AsyncClient | None = None) -> TickResult:
         t0 = time.monotonic()
         self.ticks += 1
-        if not self._hold_lease():
+        if not await self._off_loop(self._hold_lease):
             res = TickResult(leader=False, reason="standby", seconds=time.monotonic() - t0)
             self.last = res
             return res
@@ -398,7 +398,7 @@ class Poller:
             res.reason = "router_unreachable"
             log.warning("%s", e)
             return False
-        if fenced and not self._hold_lease():  # discovery may have taken two request deadlines
+        if fenced and not await self._off_loop(self._hold_lease):  # discovery may have taken two request deadlines
             res.leader = False
             res.reason = "lost_lease"
             return False
@@ -437,22 +437,30 @@ class Poller:
         res = TickResult(leader=True)
         if not await self._collect(client, res, fenced=True):
             if res.leader:
-                self._housekeep(res)
+                await self._off_loop(self._housekeep, res)
             return res
         # Fence: scraping took time; write only if the lease is still ours.
-        if not self._hold_lease():
+        if not await self._off_loop(self._hold_lease):
             res.leader = False
             res.reason = "lost_lease"
             return res
         try:
-            res.snapshot = self.gate.write_snapshot(res.states)
+            res.snapshot = await self._off_loop(self.gate.write_snapshot, res.states)
             res.wrote = True
             self.writes += 1
         except Exception as e:  # noqa: BLE001 - Redis down, script errors: never kill the loop
             res.reason = f"write_failed: {type(e).__name__}: {e}"
             log.warning("write_snapshot failed: %s: %s", type(e).__name__, e)
-        self._housekeep(res)
+        await self._off_loop(self._housekeep, res)
         return res
+
+    @staticmethod
+    async def _off_loop(fn: Any, *args: Any) -> Any:
+        """Run one of the tick's Redis calls (synchronous redis-py: the lease, the snapshot
+        write, housekeeping) in a worker thread, so a poller embedded in an application's event
+        loop (``arun``, the bench) does not stop that loop for a Redis round trip, or for up to
+        ``redis_timeout_s`` when Redis stalls. The calls of one tick still run one after another."""
+        return await asyncio.to_thread(fn, *args)
 
     def _housekeep(self, res: TickResult) -> None:
         try:

@@ -378,3 +378,49 @@ def test_async_gate_is_refused_with_a_clear_message(redis_url):
     agate = kvgate.AsyncGate.from_url(redis_url, gate="pg")
     with pytest.raises(ValueError, match="synchronous kvgate.Gate"):
         Poller(agate, engines=["http://127.0.0.1:1"])
+
+
+def test_an_async_tick_does_not_stop_the_event_loop_on_a_slow_redis_call(redis_url, servers):
+    """``atick``/``arun`` run embedded in an application's loop (the bench does): the tick's
+    synchronous Redis calls go to a worker thread, so the loop keeps serving other coroutines
+    while one of them is slow."""
+    import asyncio
+
+    e = servers(sglang_metrics(10_000, 100))
+    gate = make_gate(redis_url)
+    spans: list[tuple[float, float]] = []
+    real_write = gate.write_snapshot
+
+    def slow_write(states):
+        t0 = time.monotonic()
+        time.sleep(0.3)  # a Redis round trip that stalls
+        try:
+            return real_write(states)
+        finally:
+            spans.append((t0, time.monotonic()))
+
+    gate.write_snapshot = slow_write
+    p = Poller(gate, engines=[e.url])
+
+    async def main() -> tuple:
+        beats: list[float] = []
+        done = asyncio.Event()
+
+        async def heartbeat() -> None:
+            while not done.is_set():
+                beats.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        hb = asyncio.create_task(heartbeat())
+        try:
+            r = await p.atick()
+        finally:
+            done.set()
+            await hb
+        return r, beats
+
+    r, beats = asyncio.run(main())
+    assert r.wrote and len(spans) == 1
+    t0, t1 = spans[0]
+    during = [b for b in beats if t0 < b < t1]
+    assert len(during) >= 3, f"the loop ran {len(during)} times during a 0.3 s Redis call"
