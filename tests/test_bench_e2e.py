@@ -310,6 +310,37 @@ def test_turns_spread_over_client_shards_one_per_session():
     asyncio.run(go())
 
 
+def test_turns_to_plain_http_engines_go_through_the_lean_pool():
+    import asyncio
+
+    from kvgate.bench.engines import EngineHTTPError, make_client
+    from kvgate.sim import SimCluster
+
+    c = make_client("sglang", ["http://127.0.0.1:1", "https://127.0.0.1:2", "http://127.0.0.1:3/prefix"],
+                    ["http://127.0.0.1:1"])
+    # only a plain-http base without a path is safe for the lean HTTP/1.1 pool (no TLS, no base path)
+    assert set(c._lean) == {"http://127.0.0.1:1"}
+    asyncio.run(c.aclose())
+
+    async def go(url: str):
+        c = make_client("sglang", [url], [url])
+        try:
+            assert url in c._lean
+            a = await c.generate("s", list(range(3, 203)), 4)
+            assert c._lean[url].idle  # the turn went through the pool: its connection is kept alive there
+            b = await c.generate("s", list(range(3, 203)) + a.output_ids + [7, 8], 4)
+            with pytest.raises(EngineHTTPError, match=r"HTTP 400 -- body: .*input_ids"):
+                await c.generate("s", [10**9], 4)  # outside the vocabulary: the engine's reason
+        finally:
+            await c.aclose()
+        return a, b
+
+    with SimCluster(1, "gpu-h100-30b", time_scale=0.0, router=False) as sim:
+        a, b = asyncio.run(go(sim.engine_urls[0]))
+    assert len(a.output_ids) == 4 and a.prompt_tokens == 200 and a.cached_tokens == 0
+    assert b.cached_tokens and b.cached_tokens >= 192  # the first turn's full blocks were reused
+
+
 def _children(pid: int) -> list[int]:
     import os
 

@@ -19,11 +19,13 @@ import hashlib
 import math
 from dataclasses import dataclass
 from typing import Sequence
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from .._http import async_client
+from ..sim.client import HttpPool
 from .._json import dumps as _dumps, loads as _loads
 from ..promparse import select_lines
 
@@ -44,6 +46,10 @@ VLLM_COUNTERS = {
     "queries": ("vllm:prefix_cache_queries_total",),
     "preemptions": ("vllm:num_preemptions_total",),
 }
+
+
+class EngineHTTPError(RuntimeError):
+    """An engine answered a turn with a non-2xx status (the lean client's error; httpx raises its own)."""
 
 
 @dataclass
@@ -129,6 +135,15 @@ class EngineClient:
         self._shards: list[httpx.AsyncClient | None] = [None] * self.SHARDS
         for i in range(self.SHARDS):  # now, not on a session's first turn inside the timed run
             self._client(i)
+        # turns to plain-http engines without a base path go through the simulator's lean
+        # HTTP/1.1 pool (kvgate.sim.HttpPool): httpx's per-request machinery was a third of the
+        # bench process's CPU, and at time scale 0.02 the bench's CPU is model time
+        # (docs/benchmarks.md#lean-client). https or a base path: httpx.
+        self._lean: dict[str, HttpPool] = {}
+        for u in self.generate_urls:
+            parts = urlsplit(u)
+            if parts.scheme == "http" and parts.path in ("", "/") and not parts.query:
+                self._lean[u] = HttpPool(u, timeout_s)
 
     # Turns go through SHARDS clients picked by session: httpcore's pool looks at every
     # connection it holds (an expiry check that polls the socket) each time it assigns a
@@ -153,7 +168,22 @@ class EngineClient:
         """The client a session's turns use (one shard per session, stable)."""
         return self._client(_session_hash(session_id) % self.SHARDS)
 
+    async def _post_turn(self, base: str, path: str, body: bytes, session_id: str) -> bytes:
+        """POST one turn's JSON body; the answer's body, or an error for a non-2xx answer."""
+        pool = self._lean.get(base)
+        if pool is None:
+            r = await self.http_for(session_id).post(base + path, content=body, headers=_JSON)
+            r.raise_for_status()
+            return r.content
+        status, _, data = await pool.post(path, body)
+        if not 200 <= status < 300:
+            text = data[:200].decode("utf-8", "replace").strip()
+            raise EngineHTTPError(f"POST {base}{path}: HTTP {status}" + (f" -- body: {text}" if text else ""))
+        return data
+
     async def aclose(self) -> None:
+        for pool in self._lean.values():
+            pool.close()
         shards, self._shards = self._shards, [None] * self.SHARDS
         for c in shards:
             if c is not None:
@@ -216,9 +246,7 @@ class SGLangClient(EngineClient):
         body = {"input_ids": prompt_ids,
                 "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
                                     "ignore_eos": True}}
-        r = await self.http_for(session_id).post(url + "/generate", content=_dumps(body), headers=_JSON)
-        r.raise_for_status()
-        d = _loads(r.content)
+        d = _loads(await self._post_turn(url, "/generate", _dumps(body), session_id))
         if isinstance(d, list):
             d = d[0]
         meta = d.get("meta_info") or {}
@@ -248,9 +276,7 @@ class VLLMClient(EngineClient):
         body = {"model": await self._model(), "prompt": prompt_ids, "max_tokens": max_new_tokens,
                 "min_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True,
                 "return_token_ids": True}
-        r = await self.http_for(session_id).post(url + "/v1/completions", content=_dumps(body), headers=_JSON)
-        r.raise_for_status()
-        d = _loads(r.content)
+        d = _loads(await self._post_turn(url, "/v1/completions", _dumps(body), session_id))
         ch = d["choices"][0]
         out = ch.get("token_ids") or []
         usage = d.get("usage") or {}
