@@ -316,14 +316,15 @@ def test_turns_to_plain_http_engines_go_through_the_lean_pool():
     from kvgate.bench.engines import EngineHTTPError, make_client
     from kvgate.sim import SimCluster
 
-    c = make_client("sglang", ["http://127.0.0.1:1", "https://127.0.0.1:2", "http://127.0.0.1:3/prefix"],
-                    ["http://127.0.0.1:1"])
+    urls = ["http://127.0.0.1:1", "https://127.0.0.1:2", "http://127.0.0.1:3/prefix"]
+    c = make_client("sglang", urls, urls[:1], lean=True)
     # only a plain-http base without a path is safe for the lean HTTP/1.1 pool (no TLS, no base path)
     assert set(c._lean) == {"http://127.0.0.1:1"}
     asyncio.run(c.aclose())
+    assert not make_client("vllm", urls, urls[:1])._lean  # real engines (--engine) keep httpx
 
     async def go(url: str):
-        c = make_client("sglang", [url], [url])
+        c = make_client("sglang", [url], [url], lean=True)
         try:
             assert url in c._lean
             a = await c.generate("s", list(range(3, 203)), 4)

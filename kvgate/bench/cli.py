@@ -263,7 +263,7 @@ class SimEnv(EngineEnv):
             raise
         client = None
         try:
-            client = make_client("sglang", cluster.engine_urls, cluster.engine_urls)
+            client = make_client("sglang", cluster.engine_urls, cluster.engine_urls, lean=True)
             yield client
         finally:
             if client is not None:

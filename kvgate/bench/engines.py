@@ -120,7 +120,7 @@ class EngineClient:
     counter_names: dict[str, tuple[str, ...]] = {}
 
     def __init__(self, generate_urls: Sequence[str], engine_urls: Sequence[str], *,
-                 timeout_s: float = 600.0, max_connections: int = 512) -> None:
+                 timeout_s: float = 600.0, max_connections: int = 512, lean: bool = False) -> None:
         if not generate_urls or not engine_urls:
             raise ValueError("need at least one engine URL")
         for u in list(generate_urls) + list(engine_urls):
@@ -135,12 +135,13 @@ class EngineClient:
         self._shards: list[httpx.AsyncClient | None] = [None] * self.SHARDS
         for i in range(self.SHARDS):  # now, not on a session's first turn inside the timed run
             self._client(i)
-        # turns to plain-http engines without a base path go through the simulator's lean
-        # HTTP/1.1 pool (kvgate.sim.HttpPool): httpx's per-request machinery was a third of the
-        # bench process's CPU, and at time scale 0.02 the bench's CPU is model time
-        # (docs/benchmarks.md#lean-client). https or a base path: httpx.
+        # lean=True (the bench's own simulator): turns go through the simulator's lean HTTP/1.1
+        # pool (kvgate.sim.HttpPool) where the URL is plain http without a base path. httpx's
+        # per-request machinery was a third of the bench process's CPU, and at time scale 0.02
+        # the bench's CPU is model time (docs/benchmarks.md#lean-client). Real engines keep
+        # httpx: the pool knows nothing of TLS, base paths or a server's keep-alive expiry.
         self._lean: dict[str, HttpPool] = {}
-        for u in self.generate_urls:
+        for u in self.generate_urls if lean else ():
             parts = urlsplit(u)
             if parts.scheme == "http" and parts.path in ("", "/") and not parts.query:
                 self._lean[u] = HttpPool(u, timeout_s)

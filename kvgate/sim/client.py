@@ -28,7 +28,9 @@ class HttpPool:
     async def post(self, path: str, body: bytes) -> tuple:
         """(status, content_type, body).  Raises ConnectionError when the worker is unreachable."""
         for attempt in range(2):
-            reused = bool(self.idle)
+            # the retry after a stale keep-alive connection opens a new one: the other idle
+            # connections may have been closed by the server just as well
+            reused = bool(self.idle) and attempt == 0
             if reused:
                 reader, writer = self.idle.pop()
             else:
