@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvgate._http import sync_client
+
 TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 2, "head_dim": 64}
 HEAVY = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
@@ -155,11 +157,16 @@ def start_server(model_dir: str | None = None, *, heavy: bool = False, num_block
         raise
 
 
+def _completion_body(prompt_ids: list[int], max_tokens: int) -> dict:
+    """A greedy completion of exactly ``max_tokens`` tokens that returns its token ids."""
+    return {"model": "tiny", "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True}
+
+
 def complete(url: str, prompt_ids: list[int], max_tokens: int = 8, timeout: float = 120.0,
              client: httpx.Client | None = None) -> dict:
     """One greedy /v1/completions call with a token-id prompt; returns the JSON answer."""
-    body = {"model": "tiny", "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True, "ignore_eos": True}
+    body = _completion_body(prompt_ids, max_tokens)
     c = client or httpx
     r = c.post(url + "/v1/completions", json=body, timeout=timeout)
     r.raise_for_status()
@@ -183,12 +190,10 @@ def stream_complete(url: str, prompt_ids: list[int], max_tokens: int = 8, timeou
     test tell what happened *during* a request from the engine's point of view rather than from the
     client's send and receive times.  `on_first_token()` is called once, when the first token arrives.
     """
-    body = {"model": "tiny", "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = dict(_completion_body(prompt_ids, max_tokens), stream=True, stream_options={"include_usage": True})
     tokens: list[int] = []
     cached, first, last = 0, 0.0, 0.0
-    c = client or httpx.Client(timeout=timeout)
+    c = client or sync_client(timeout=timeout)
     try:
         with c.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
             r.raise_for_status()
