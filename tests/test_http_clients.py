@@ -51,3 +51,25 @@ def test_the_http_probe_uses_the_shared_context():
         assert _ctx(p._sync_client()) is tls_context(True)
     finally:
         p.close()
+
+
+def test_engine_connections_expire_before_uvicorns_keep_alive():
+    # uvicorn (vLLM's and SGLang's servers) drops a connection idle for 5 s, which is also
+    # httpx's default expiry: a turn or a probe sent on a connection the server is closing
+    # fails with ReadError (seen once in a real-vLLM bench run). Both clients expire idle
+    # connections well before that.
+    from kvgate.bench.engines import make_client
+
+    def expiry(client) -> float:
+        return client._transport._pool._keepalive_expiry
+
+    async def main() -> tuple:
+        c = make_client("vllm", ["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+        p = HttpProbe(["http://127.0.0.1:9"])
+        try:
+            return expiry(c.http_for("s1")), expiry(p._async_client())
+        finally:
+            await c.aclose()
+            await p.aclose()
+    bench, probe = asyncio.run(main())
+    assert bench < 5.0 and probe < 5.0

@@ -35,6 +35,10 @@ from kvgate.integrations._common import (
 PROBE_PATH = "/kvgate/probe"
 _JSON = {"Content-Type": "application/json"}
 MAX_RESPONSE_BYTES = 64 * 1024
+# idle connections expire after 2 s, before the engine's server drops them (uvicorn: 5 s, the
+# same as httpx's default expiry, so a probe could go out on a connection being closed and
+# fail with ReadError; the gate would then decide without residency)
+PROBE_LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=32, keepalive_expiry=2.0)
 
 UrlSource = Sequence[str] | Callable[[], Sequence[str]]
 
@@ -154,7 +158,7 @@ class HttpProbe:
         with self._lock:
             if self._client is None:
                 self._client = sync_client(timeout=httpx.Timeout(self.timeout_s), headers=self.headers,
-                                            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
+                                            limits=PROBE_LIMITS)
             return self._client
 
     def _ask_sync(self, client: httpx.Client, url: str, body: bytes, n: int) -> dict | str:
@@ -197,8 +201,7 @@ class HttpProbe:
                 if other.is_closed():  # a finished asyncio.run(): its client cannot be used any more
                     del self._aclients[key]
             entry = (loop, async_client(timeout=httpx.Timeout(self.timeout_s), headers=self.headers,
-                                             limits=httpx.Limits(max_connections=64,
-                                                                 max_keepalive_connections=32)))
+                                             limits=PROBE_LIMITS))
             self._aclients[id(loop)] = entry
         return entry[1]
 
