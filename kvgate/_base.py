@@ -5,7 +5,7 @@ import dataclasses
 import json
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any, Callable, Sequence
 
 from . import keys as _keys
@@ -18,6 +18,9 @@ from .snapshot import EngineState, SnapshotResult
 #: after a Redis fault, turns bypass as degraded without calling Redis for this long,
 #: so a dead Redis costs one timeout per breaker period, not one per turn
 BREAKER_S = 1.0
+
+#: sessions whose last turn end this process remembers (for the tool gap it reports)
+MAX_TRACKED_SESSIONS = 65536
 
 
 class GateBase:
@@ -38,6 +41,7 @@ class GateBase:
         self._local = Counter()          # outcomes decided without Redis (pass, degraded on faults)
         self._local_lock = threading.Lock()
         self._turns = Counter()          # per-session turn counter when the caller gives no index
+        self._last_end: OrderedDict[str, float] = OrderedDict()  # session -> monotonic end of its last turn
         self._sources = {n: script_source(n) for n in SCRIPT_NAMES}
 
     # -- helpers ------------------------------------------------------------------------
@@ -68,16 +72,29 @@ class GateBase:
 
     def _request(self, session_id: Any, kw: dict) -> TurnRequest:
         req = build_request(self.config, session_id, **kw)
-        if req.turn_index is None:
-            with self._local_lock:
-                idx = self._turns[req.session_id]
+        changes: dict[str, Any] = {}
+        with self._local_lock:
+            if req.turn_index is None:
+                changes["turn_index"] = self._turns[req.session_id]
                 self._turns[req.session_id] += 1
-            req = dataclasses.replace(req, turn_index=idx)
-        return req
+            # the time this session spent away (its tool call) since its last turn ended here;
+            # taken once, so a retry of this turn does not report it again
+            ended = self._last_end.pop(req.session_id, None)
+        if ended is not None:
+            changes["gap_s"] = max(0.0, time.monotonic() - ended)
+        return dataclasses.replace(req, **changes) if changes else req
+
+    def _turn_ended(self, session_id: str) -> None:
+        with self._local_lock:
+            self._last_end[session_id] = time.monotonic()
+            self._last_end.move_to_end(session_id)
+            while len(self._last_end) > MAX_TRACKED_SESSIONS:
+                self._last_end.popitem(last=False)
 
     def _forget_session(self, session_id: str) -> None:
         with self._local_lock:
             self._turns.pop(session_id, None)
+            self._last_end.pop(session_id, None)
 
     @staticmethod
     def _decode(raw: Any) -> dict:
@@ -125,6 +142,7 @@ class GateBase:
         hit = float(raw.get("hit_rate", -1))
         pst = float(raw.get("prefill_s_per_token", -1))
         pl = float(raw.get("prefill_load", -1))
+        gap = float(raw.get("tool_gap_s", -1))
         return {
             "gate": self.name, "reserved": reserved, "ceiling": ceiling, "capacity": cap,
             "available": max(0, ceiling - reserved), "usage": float(raw.get("usage", 0) or 0),
@@ -132,6 +150,7 @@ class GateBase:
             "leases": int(raw.get("leases", 0)), "windows": int(raw.get("windows", 0)),
             "snapshot_age_s": age, "degraded": not fresh, "hit_rate": hit if hit >= 0 else None,
             "prefill_s_per_token": pst if pst >= 0 else None, "prefill_load": pl if pl >= 0 else None,
+            "tool_gap_s": gap if gap >= 0 else None,
             "engines": engines, "fifo_head": [txt(t) for t, _ in head],
             "totals": {txt(k): float(v) for k, v in totals.items()},
         }
@@ -152,6 +171,7 @@ class LeaseBase:
         self.epoch = d.epoch
         self.held = d.held
         self.released = not d.held
+        self._ended = d.outcome == "pass"   # a pass-through turn reports no gap
         self._t0 = time.monotonic()
 
     @property
@@ -160,6 +180,9 @@ class LeaseBase:
 
     def _begin_release(self) -> bool:
         """Mark released; True when this call must give the lease back."""
+        if not self._ended:  # the turn is over, held or not: the session's tool gap starts now
+            self._ended = True
+            self._gate._turn_ended(self.session_id)
         if self.released:
             return False
         self.released = True

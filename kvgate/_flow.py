@@ -55,6 +55,7 @@ class TurnRequest:
     scope: str = "train"
     turn_index: int | None = None
     timeout_s: float | None = None
+    gap_s: float | None = None   # the session's time away since its last turn ended (this process saw it)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ def knob_params(cfg: GateConfig, channel: str) -> dict:
         # a waiter re-checks at least every wait_poll_s: two missed polls mean it is gone
         "alive_ms": 2 * wait_ms + 1000, "claim_ms": 2 * wait_ms + 1000,
         "max_wait_ms": int(cfg.max_wait_s * 1000), "wcr": cfg.wait_cost_ratio, "wcl": cfg.wait_cost_load,
+        "wcg": cfg.wait_cost_gap,
         "gr": cfg.growth_reserve, "reap": cfg.reap_batch, "ch": channel,
     }
 
@@ -136,6 +138,8 @@ def acquire_flow(cfg: GateConfig, req: TurnRequest, knobs: dict, has_probe: bool
     params = dict(knobs, ticket=req.ticket, session=req.session_id, need=req.need,
                   protected=1 if req.protected else 0, retain=1 if req.retain else 0,
                   probe=-1 if (cfg.residency and has_probe) else no_probe)
+    if req.gap_s is not None:
+        params["gap"] = round(req.gap_s * 1000.0, 1)
     probe_default = params["probe"]
 
     def degraded() -> Decision:
@@ -145,6 +149,7 @@ def acquire_flow(cfg: GateConfig, req: TurnRequest, knobs: dict, has_probe: bool
         r = yield Eval("acquire", params)
     except RedisDown:
         return degraded()
+    params.pop("gap", None)  # one sample per attempt: re-checks do not report it again
     while True:
         o = r.get("o")
         if o == "admit":

@@ -74,6 +74,8 @@ def render_status(status: Mapping, *, leader: str | None = None, title: str | No
         load = s.get("prefill_load")
         head.add_row("prefill cost", f"{float(s['prefill_s_per_token']) * 1e6:.1f} us/token (slowest engine)"
                      + ("" if load is None else f", load {float(load):.2f} (busiest)"))
+    if s.get("tool_gap_s") is not None:
+        head.add_row("tool gap", f"{float(s['tool_gap_s']):.3f} s (typical time between a session's turns)")
     head.add_row("fifo waiting", str(s.get("waiting", 0)))
     head.add_row("leases", str(s.get("leases", 0)))
     head.add_row("windows", str(s.get("windows", 0)))

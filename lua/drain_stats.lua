@@ -6,7 +6,8 @@
   ARGV[1] now ms or ""; ARGV[2] JSON: drain (0/1 reset the window), stale_ms.
   Returns JSON {stats={field=value...}, reserved, epoch, leases, waiting, windows,
     capacity, usage, hit_rate, snapshot_age_ms (-1 when none), n_healthy,
-    prefill_s_per_token, prefill_load (-1 when not measured)}
+    prefill_s_per_token, prefill_load (-1 when not measured),
+    tool_gap_s (the typical time sessions spend between turns; -1 before 8 samples)}
 ]]
 --@include common
 
@@ -16,6 +17,9 @@ for i = 1, #flat, 2 do st[flat[i]] = flat[i + 1] end
 if P.drain == 1 then redis.call("DEL", K.stats) end
 local v = redis.call("HMGET", K.snapshot, "ts_ms", "capacity", "usage", "hit_rate", "n_healthy",
   "prefill_s_per_token", "prefill_load")
+local g = redis.call("HMGET", K.ledger, "lgap", "ngap")
+local gap = -1
+if g[1] and num(g[2], 0) >= 8 then gap = math.exp(tonumber(g[1])) end
 local age = -1
 if v[1] then age = NOW - tonumber(v[1]) end
 return cjson.encode({
@@ -23,5 +27,5 @@ return cjson.encode({
   leases = redis.call("ZCARD", K.lease_exp), waiting = redis.call("ZCARD", K.fifo),
   windows = redis.call("HLEN", K.windows), capacity = num(v[2], 0), usage = num(v[3], 0),
   hit_rate = num(v[4], -1), snapshot_age_ms = age, n_healthy = num(v[5], 0), now = NOW,
-  prefill_s_per_token = num(v[6], -1), prefill_load = num(v[7], -1),
+  prefill_s_per_token = num(v[6], -1), prefill_load = num(v[7], -1), tool_gap_s = gap,
 })

@@ -366,6 +366,131 @@ def test_measured_prefill_cost_shortens_the_wait(backend, clock, ratio, load, bo
     assert ledger(g) == 0
 
 
+def report_gaps(g, ms, n):
+    """n turns that report their session's time away (protected: they touch nothing else)"""
+    for i in range(n):
+        r = script(g, "acquire", ticket=f"gap{ms}-{i}", session=f"gs{i}", need=1, protected=1, gap=ms)
+        assert r["o"] == "bypass"
+
+
+@pytest.mark.parametrize("gap_ms, n, wcg, bound_ms", [(400, 8, 1.0, 800), (100, 8, 1.0, 30000),
+                                                      (400, 7, 1.0, 30000), (400, 8, 0.0, 30000),
+                                                      (100, 8, 2.0, 800)])
+def test_tool_gap_shortens_the_wait_where_the_load_does_not(backend, clock, gap_ms, n, wcg, bound_ms):
+    # the engines spend half their time prefilling (above wait_cost_load), but a cold prefill
+    # of this 200-token turn (0.2 s at 1 ms per token) is no longer than wait_cost_gap x the
+    # typical time sessions spend away between turns: the waiter ages after 4 x 0.2 s. Not when
+    # the sessions come back faster than a re-prefill takes, before 8 gaps were reported, or
+    # with wait_cost_gap 0
+    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, wait_cost_ratio=4.0, wait_cost_gap=wcg)
+    g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001, 0.5))
+    report_gaps(g, gap_ms, n)
+    st = g.status()
+    assert st["tool_gap_s"] == (pytest.approx(gap_ms / 1000.0) if n >= 8 else None)
+    held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
+    r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
+    assert (r["o"], r["mw"]) == ("wait", bound_ms)
+    clock.advance(0.8)
+    g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001, 0.5))
+    r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
+    if bound_ms == 800:
+        assert (r["o"], r["r"], r["w"]) == ("admit", "aged", 800)
+        script(g, "release", ticket="t")
+    else:
+        assert (r["o"], r["mw"]) == ("wait", 30000)  # max_wait_s alone: 29.2 s to go
+        script(g, "cancel", ticket="t", aged=0)
+    held.release()
+    for sid in ("a", "new"):
+        g.finish_session(sid)
+    assert ledger(g) == 0
+
+
+def test_snapshot_write_with_a_waiter_outside_the_gap_bound(backend, clock):
+    # the typical gap (0.1 s) makes short turns cheap to re-prefill but not this one (a cold
+    # prefill of 1,000 tokens takes 1 s): the snapshot write's wake-up pass skips it and the
+    # write succeeds; the waiter keeps max_wait_s
+    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, wait_cost_ratio=4.0, wait_cost_gap=2.0)
+    g.write_snapshot(priced(engines(cap=2000, usage=0.1), 0.001, 0.5))
+    report_gaps(g, 100, 8)
+    held = g.acquire("a", prompt_tokens=1900, max_new_tokens=0)
+    r = script(g, "acquire", ticket="t", session="new", need=1000, probe=-2, retain=1)
+    assert (r["o"], r["mw"]) == ("wait", 30000)
+    clock.advance(1.0)
+    assert g.write_snapshot(priced(engines(cap=2000, usage=0.1), 0.001, 0.5)).n_healthy == 1
+    r = script(g, "acquire", ticket="t", session="new", need=1000, probe=-2, retain=1)
+    assert (r["o"], r["mw"]) == ("wait", 30000)
+    script(g, "cancel", ticket="t", aged=0)
+    held.release()
+    g.finish_session("a")
+    assert ledger(g) == 0
+
+
+def test_tool_gap_is_a_geometric_mean(backend, clock):
+    # tool latencies are heavy-tailed: a few minute-long calls must not make every session
+    # look far away. Alternating 0.1 s and 1 s gaps settle near their geometric mean (0.32 s),
+    # and one 60 s gap moves it by a factor of 1.3 (an arithmetic EWMA would jump to 3.3 s)
+    g = mkgate(backend, clock)
+    for i in range(100):
+        report_gaps(g, 100 if i % 2 else 1000, 1)
+    gap = g.status()["tool_gap_s"]
+    assert 0.25 < gap < 0.40
+    report_gaps(g, 60000, 1)
+    assert gap < g.status()["tool_gap_s"] < 1.35 * gap
+
+
+def test_clients_report_each_sessions_time_away_once(backend, monkeypatch):
+    # the sync and the async gate time a session's gap from the end of its last turn (held or
+    # bypassed) to its next acquire, report it once, and forget it with the session
+    from kvgate import _base
+    from kvgate._flow import Eval, TurnRequest, Wait, acquire_flow
+    g = mkgate(backend)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    with g.turn("s", prompt_tokens=10, max_new_tokens=0) as lease:
+        assert lease.admitted
+    time.sleep(0.05)
+    with g.turn("s", prompt_tokens=20, max_new_tokens=0):
+        pass
+    assert int(g.redis.hget(g.key("ledger"), "ngap")) == 1  # the first turn had no gap to report
+    assert 0.05 <= 2.718281828 ** float(g.redis.hget(g.key("ledger"), "lgap")) < 5.0
+    g.finish_session("s")
+    assert "s" not in g._last_end
+    with g.turn("s", prompt_tokens=10, max_new_tokens=0):
+        pass
+    assert int(g.redis.hget(g.key("ledger"), "ngap")) == 1
+    # bounded memory: the oldest sessions are forgotten first
+    monkeypatch.setattr(_base, "MAX_TRACKED_SESSIONS", 2)
+    for sid in ("x", "y", "z"):
+        g._turn_ended(sid)
+    assert list(g._last_end) == ["y", "z"]
+    # the flow sends the gap with the attempt's first call only, not with its re-checks
+    req = TurnRequest(session_id="s", ticket="t", need=5, prompt_tokens=5, prompt_ids=None, gap_s=0.25)
+    flow = acquire_flow(g.config, req, g._knobs, False, time.monotonic)
+    op = next(flow)
+    assert isinstance(op, Eval) and op.params["gap"] == 250.0
+    assert isinstance(flow.send({"o": "wait", "r": "queued", "w": 0, "mw": 30000}), Wait)
+    op = flow.send("timeout")
+    assert isinstance(op, Eval) and "gap" not in op.params
+    flow.close()
+
+
+def test_async_gate_reports_the_gap(redis_url):
+    async def main():
+        g = kvgate.AsyncGate.from_url(redis_url, gate="gap", config=kvgate.GateConfig(**FAST))
+        try:
+            await g.write_snapshot(engines(cap=1000, usage=0.1))
+            for _ in range(3):
+                async with g.turn("as", prompt_tokens=10, max_new_tokens=0):
+                    pass
+                await asyncio.sleep(0.05)
+            n = int(await g.redis.hget(g.key("ledger"), "ngap"))
+            await g.finish_session("as")
+            assert "as" not in g._last_end
+            return n
+        finally:
+            await g.aclose()
+    assert asyncio.run(main()) == 2
+
+
 def test_unmeasured_prefill_cost_keeps_max_wait(backend, clock):
     g = mkgate(backend, clock, headroom=1.0, max_wait_s=30)
     g.write_snapshot(engines(cap=1000, usage=0.1))  # no engine says what a prefill costs

@@ -419,7 +419,8 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
                                          "leases": st.get("leases"), "waiting": st.get("waiting"),
                                          "usage": st.get("usage"),
                                          "prefill_s_per_token": st.get("prefill_s_per_token"),
-                                         "prefill_load": st.get("prefill_load")})
+                                         "prefill_load": st.get("prefill_load"),
+                                         "tool_gap_s": st.get("tool_gap_s")})
 
     sem = asyncio.Semaphore(policy.cap) if policy.kind in ("cap", "turncap") else None
 
