@@ -179,16 +179,19 @@ end
 
 -- wait_cost_ratio: how long a waiter of `need` tokens may wait when the snapshot says a cold
 -- prefill is measured and the engines have time to spare; nil when that bound does not apply
--- (max_wait_ms alone). Time to spare: the prefill load is below wait_cost_load, or a cold
--- prefill of this turn takes at most wait_cost_gap x the typical tool gap (the engine can
--- redo the prefix in less time than the session spends away between its turns)
+-- (max_wait_ms alone). Time to spare: a cold prefill of this turn takes at most
+-- wait_cost_gap x the typical tool gap (the engine can redo the prefix in about the time the
+-- session spends away between its turns); until clients have reported a typical gap (or with
+-- wait_cost_gap 0), the prefill load is below wait_cost_load
 local function cost_wait_ms(snap, need)
   if num(P.wcr, 0) <= 0 or snap.pst <= 0 then return nil end
   local cold = snap.pst * need
-  local spare = snap.pl >= 0 and snap.pl < num(P.wcl, 0.3)
-  if not spare and num(P.wcg, 0) > 0 then
-    local g = tool_gap_s()
-    spare = g ~= nil and cold <= P.wcg * g
+  local g = num(P.wcg, 0) > 0 and tool_gap_s() or nil
+  local spare
+  if g ~= nil then
+    spare = cold <= P.wcg * g
+  else
+    spare = snap.pl >= 0 and snap.pl < num(P.wcl, 0.3)
   end
   if spare then return P.wcr * cold * 1000 end
   return nil
