@@ -32,7 +32,7 @@ class GateConfig:
     max_wait_s: float = 30.0
     wait_cost_ratio: float = 4.0
     wait_cost_load: float = 0.3
-    wait_cost_gap: float = 2.0
+    wait_cost_gap: float = 0.0
     wait_poll_s: float = 5.0
     idle_grace_s: float = 60.0
     lease_ttl_s: float = 600.0

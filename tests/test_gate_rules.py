@@ -375,15 +375,17 @@ def report_gaps(g, ms, n):
 
 @pytest.mark.parametrize("load, gap_ms, n, wcg, bound_ms", [
     (0.5, 400, 8, 1.0, 800), (0.5, 100, 8, 1.0, 30000), (0.5, 400, 7, 1.0, 30000), (0.5, 400, 8, 0.0, 30000),
-    (0.5, 100, 8, 2.0, 800), (0.1, 50, 8, 2.0, 30000), (0.1, 50, 7, 2.0, 800), (0.1, 50, 8, 0.0, 800)])
+    (0.5, 100, 8, 2.0, 800), (0.1, 50, 8, 2.0, 30000), (0.1, 50, 7, 2.0, 800), (0.1, 50, 8, 0.0, 800),
+    (0.5, 400, 8, None, 30000), (0.1, 50, 8, None, 800)])
 def test_tool_gap_decides_the_wait_bound_once_known(backend, clock, load, gap_ms, n, wcg, bound_ms):
     # a cold prefill of this 200-token turn takes 0.2 s (1 ms per token). Once 8 gaps were
     # reported, the typical gap decides: no longer than wait_cost_gap x the time sessions
     # spend away between turns, the waiter ages after 4 x 0.2 s, whatever the prefill load
     # (0.5, above wait_cost_load); longer, it keeps max_wait_s, whatever the load (0.1, below:
     # sessions back every 50 ms keep the engine busy re-prefilling). Before 8 gaps, or with
-    # wait_cost_gap 0, the load decides as before
-    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, wait_cost_ratio=4.0, wait_cost_gap=wcg)
+    # wait_cost_gap 0 (the default: None here), the load decides as before
+    knob = {} if wcg is None else {"wait_cost_gap": wcg}
+    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, wait_cost_ratio=4.0, **knob)
     g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001, load))
     report_gaps(g, gap_ms, n)
     st = g.status()
