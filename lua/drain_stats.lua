@@ -17,9 +17,7 @@ for i = 1, #flat, 2 do st[flat[i]] = flat[i + 1] end
 if P.drain == 1 then redis.call("DEL", K.stats) end
 local v = redis.call("HMGET", K.snapshot, "ts_ms", "capacity", "usage", "hit_rate", "n_healthy",
   "prefill_s_per_token", "prefill_load")
-local g = redis.call("HMGET", K.ledger, "lgap", "ngap")
-local gap = -1
-if g[1] and num(g[2], 0) >= 8 then gap = math.exp(tonumber(g[1])) end
+local gap = tool_gap_s() or -1
 local age = -1
 if v[1] then age = NOW - tonumber(v[1]) end
 return cjson.encode({

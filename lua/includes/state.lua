@@ -159,24 +159,6 @@ local function free_lease(ticket)
   return l
 end
 
--- the typical tool gap: the geometric mean (an EWMA of the logarithm, so the heavy tail of
--- tool latencies does not run it) of the seconds between a session's turns, as the clients
--- measure them (the end of its last turn to the start of this one). Stored in the ledger hash:
--- lgap (log seconds), ngap (samples). Nil until GAP_MIN_SAMPLES arrived.
-local GAP_ALPHA, GAP_MIN_SAMPLES = 0.05, 8
-local function note_gap(ms)
-  local x = math.log(math.max(ms, 1) / 1000.0)
-  local lg = tonumber(redis.call("HGET", K.ledger, "lgap"))
-  if lg then x = lg + GAP_ALPHA * (x - lg) end
-  redis.call("HSET", K.ledger, "lgap", tostring(x))
-  redis.call("HINCRBY", K.ledger, "ngap", 1)
-end
-local function tool_gap_s()
-  local v = redis.call("HMGET", K.ledger, "lgap", "ngap")
-  if not v[1] or num(v[2], 0) < GAP_MIN_SAMPLES then return nil end
-  return math.exp(tonumber(v[1]))
-end
-
 -- wait_cost_ratio: how long a waiter of `need` tokens may wait when the snapshot says a cold
 -- prefill is measured and the engines have time to spare; nil when that bound does not apply
 -- (max_wait_ms alone). Time to spare: a cold prefill of this turn takes at most
