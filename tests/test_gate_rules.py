@@ -352,17 +352,24 @@ def test_measured_prefill_cost_shortens_the_wait(backend, clock, ratio, load, bo
     g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001, load))
     assert script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)["o"] == "wait"
     clock.advance(0.1)
+    recheck_past_the_bound(g, load, bound_ms, held)
+
+
+def recheck_past_the_bound(g, load, bound_ms, held):
+    """Re-check waiter "t" (session "new", 200 tokens) 0.8 s into its wait: aged in if its bound
+    was 4 cold prefills (800 ms), still waiting on max_wait_s (30 s) otherwise; then let go of it
+    and of the lease `held` (session "a") that kept it waiting, and check the ledger is empty."""
     g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001, load))
     r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
     if bound_ms == 800:
         assert (r["o"], r["r"], r["w"]) == ("admit", "aged", 800)
         script(g, "release", ticket="t")
-        g.finish_session("new")
     else:
         assert (r["o"], r["mw"]) == ("wait", 30000)  # max_wait_s alone: 29.2 s to go
         script(g, "cancel", ticket="t", aged=0)
     held.release()
-    g.finish_session("a")
+    for sid in ("a", "new"):
+        g.finish_session(sid)
     assert ledger(g) == 0
 
 
@@ -394,18 +401,7 @@ def test_tool_gap_decides_the_wait_bound_once_known(backend, clock, load, gap_ms
     r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
     assert (r["o"], r["mw"]) == ("wait", bound_ms)
     clock.advance(0.8)
-    g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001, load))
-    r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
-    if bound_ms == 800:
-        assert (r["o"], r["r"], r["w"]) == ("admit", "aged", 800)
-        script(g, "release", ticket="t")
-    else:
-        assert (r["o"], r["mw"]) == ("wait", 30000)  # max_wait_s alone: 29.2 s to go
-        script(g, "cancel", ticket="t", aged=0)
-    held.release()
-    for sid in ("a", "new"):
-        g.finish_session(sid)
-    assert ledger(g) == 0
+    recheck_past_the_bound(g, load, bound_ms, held)
 
 
 def test_snapshot_write_with_a_waiter_outside_the_gap_bound(backend, clock):
