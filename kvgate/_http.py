@@ -17,6 +17,13 @@ from typing import Any
 import httpx
 
 
+#: how long kvgate keeps an idle connection to an engine: below uvicorn's 5 s keep-alive timeout
+#: (vLLM's and SGLang's HTTP servers), which is also httpx's default expiry, so a request never
+#: goes out on a connection the server is closing (that fails with ReadError: one real-vLLM
+#: bench turn in 144, a session back from a ~5 s tool call)
+ENGINE_KEEPALIVE_EXPIRY_S = 2.0
+
+
 @functools.lru_cache(maxsize=2)
 def tls_context(trust_env: bool = True) -> ssl.SSLContext:
     """The process's verifying TLS context (httpx's default one), built once per ``trust_env``."""

@@ -24,13 +24,12 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from .._http import async_client
+from .._http import ENGINE_KEEPALIVE_EXPIRY_S, async_client
 from ..sim.client import HttpPool
 from .._json import dumps as _dumps, loads as _loads
 from ..promparse import select_lines
 
 _JSON = {"content-type": "application/json"}
-KEEPALIVE_EXPIRY_S = 2.0  # below uvicorn's 5 s keep-alive timeout (see EngineClient.__init__)
 
 __all__ = ["GenResult", "Counters", "EngineClient", "SGLangClient", "VLLMClient", "parse_counters",
            "make_client"]
@@ -132,12 +131,8 @@ class EngineClient:
         self._timeout = httpx.Timeout(timeout_s, connect=10.0)
         # per shard, not divided: sessions do not hash evenly, and a shard's limit must not
         # become a concurrency cap the workload did not ask for
-        # idle connections are dropped after 2 s, before the server drops them: uvicorn (vLLM's
-        # and SGLang's HTTP servers) closes a connection idle for 5 s, httpx's default expiry is
-        # also 5 s, and a turn sent on a connection the server is closing fails with ReadError
-        # (1 of 144 turns in one real-vLLM run, a session back from a 5 s tool call)
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                                    keepalive_expiry=KEEPALIVE_EXPIRY_S)
+                                    keepalive_expiry=ENGINE_KEEPALIVE_EXPIRY_S)
         self._shards: list[httpx.AsyncClient | None] = [None] * self.SHARDS
         for i in range(self.SHARDS):  # now, not on a session's first turn inside the timed run
             self._client(i)

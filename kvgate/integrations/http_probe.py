@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from kvgate._http import async_client, sync_client
+from kvgate._http import ENGINE_KEEPALIVE_EXPIRY_S, async_client, sync_client
 from kvgate._json import dumps as _dumps
 from kvgate.integrations._common import (
     ProbeResult, best_of, check_prompt_ids, check_session_id, check_timeout, parse_probe_payload, to_result,
@@ -35,10 +35,10 @@ from kvgate.integrations._common import (
 PROBE_PATH = "/kvgate/probe"
 _JSON = {"Content-Type": "application/json"}
 MAX_RESPONSE_BYTES = 64 * 1024
-# idle connections expire after 2 s, before the engine's server drops them (uvicorn: 5 s, the
-# same as httpx's default expiry, so a probe could go out on a connection being closed and
-# fail with ReadError; the gate would then decide without residency)
-PROBE_LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=32, keepalive_expiry=2.0)
+# idle connections expire before the engine's server drops them (a probe sent on a closing one
+# fails, and the gate then decides without residency)
+PROBE_LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=32,
+                            keepalive_expiry=ENGINE_KEEPALIVE_EXPIRY_S)
 
 UrlSource = Sequence[str] | Callable[[], Sequence[str]]
 
