@@ -105,6 +105,30 @@ def test_lag_warnings_name_the_policies_whose_bench_was_short_of_cpu():
     assert lag_warnings(summary, 1.0)[0].endswith("--time-scale")
 
 
+def test_idle_while_waiting_counts_samples_with_waiters_and_nothing_in_flight(capsys):
+    from kvgate.bench.report import render_table
+
+    def s(waiting, leases):
+        return {"t": 0.0, "waiting": waiting, "leases": leases}
+    gate = PolicyResult(policy=Policy("kvgate", "gate", admission=True, residency=True), wall_s=1.0,
+                        turns=[], counters=Counters(0, 0), samples=[], usage_samples=[],
+                        gate_samples=[s(0, 0), s(2, 0), s(3, 1), s(1, 0), s(0, 4), s(5, 2), s(1, None)])
+    quiet = PolicyResult(policy=Policy("kvgate[max_wait_s=0]", "gate", admission=True, residency=True),
+                         wall_s=1.0, turns=[], counters=Counters(0, 0), samples=[], usage_samples=[],
+                         gate_samples=[s(0, 0), s(0, 3)])
+    none = _result(Policy("none", "none"), 1.0, 0, 0)
+    summary = summarize([none, gate, quiet], _workload())
+    rows = {x["policy"]: x for x in summary["policies"]}
+    # 4 samples with turns waiting (the one without a lease count is not one), 2 of them idle
+    assert rows["kvgate"]["idle_while_waiting"] == {"share": 0.5, "samples": 4, "of": 7}
+    assert rows["kvgate[max_wait_s=0]"]["idle_while_waiting"] is None
+    assert rows["none"]["idle_while_waiting"] is None
+    render_table(summary)
+    out = capsys.readouterr().out
+    assert "engines idle while turns waited, kvgate: 50% of the 4 samples" in out
+    assert "kvgate[max_wait_s=0]:" not in out
+
+
 def test_reprefill_is_attributed_to_the_admission_that_paid_for_it():
     def turn(sid, i, prompt, cached, reason, out=10):
         return TurnRecord(session=sid, turn=i, ready_s=i, start_s=i, done_s=i + 0.1, prompt_tokens=prompt,

@@ -77,6 +77,7 @@ def summarize(results: Sequence[PolicyResult], workload: Workload) -> dict:
             "hit_rate_over_time": _hit_series(r.samples),
             "usage_over_time": [(round(t, 3), round(u, 4)) for t, u in r.usage_samples],
             "gate_over_time": r.gate_samples,
+            "idle_while_waiting": _idle_while_waiting(r.gate_samples),
             "reprefill_by_admission": _reprefill_by_admission(r.turns),
             "sessions": _session_rows(r.turns, n_turns_sess),
             "loop_lag_s": {"p50": _pct(r.loop_lags, 0.5), "p99": _pct(r.loop_lags, 0.99),
@@ -153,6 +154,18 @@ def _reprefill_by_admission(turns: Sequence[Any]) -> dict[str, dict[str, int]] |
         return None
     return {k: {"turns": n, "reprefill_tokens": tok}
             for k, (n, tok) in sorted(out.items(), key=lambda kv: -kv[1][1])}
+
+
+def _idle_while_waiting(samples: Sequence[dict]) -> dict | None:
+    """Of the gate samples with turns waiting, the share with no turn in flight (no lease):
+    how often the gate held turns back while the engines had nothing to do. Near 0 where
+    holding back pays (the simulator's GPU profile); high where it does not (a small model on
+    a slow CPU). None without such samples."""
+    waiting = [s for s in samples if (s.get("waiting") or 0) > 0 and s.get("leases") is not None]
+    if not waiting:
+        return None
+    idle = sum(1 for s in waiting if s["leases"] == 0)
+    return {"share": idle / len(waiting), "samples": len(waiting), "of": len(samples)}
 
 
 def _hit_series(samples: Sequence[tuple[float, float, float]]) -> list[tuple[float, float | None]]:
@@ -284,6 +297,12 @@ def render_table(summary: dict, console: Any = None, scenario: str = "") -> None
         if x["kind"] == "gate" and by:
             parts = ", ".join(f"{escape(k)} {_tok(v['reprefill_tokens'])} ({v['turns']} turns)" for k, v in by.items())
             console.print(f"re-prefill by admission, {escape(x['policy'])}: {parts}")
+    for x in summary["policies"]:
+        iw = x.get("idle_while_waiting")
+        if x["kind"] == "gate" and iw:
+            console.print(f"engines idle while turns waited, {escape(x['policy'])}: {iw['share']:.0%} of the "
+                          f"{iw['samples']} samples with turns waiting (of {iw['of']}; high where holding "
+                          "back does not pay, see docs/knobs.md)")
 
 
 def write_json(summary: dict, path: Path, extra: dict | None = None) -> None:
