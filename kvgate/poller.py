@@ -369,6 +369,12 @@ class Poller:
             old = self._prefill_costs.get(eid)
             self._prefill_costs[eid] = new if old is None else 0.5 * old + 0.5 * new
 
+    @property
+    def prefill_load_pending(self) -> bool:
+        """True while an engine exports prefill time (vLLM) but its first load window
+        (PREFILL_LOAD_WINDOW_S) has not closed: the snapshot says "not measured" until then."""
+        return any(eid not in self._prefill_loads for eid in self._load_base)
+
     async def atick(self, client: httpx.AsyncClient | None = None) -> TickResult:
         t0 = time.monotonic()
         self.ticks += 1

@@ -156,6 +156,7 @@ def test_vllm_prefill_cost_per_uncached_token(redis_url, servers, monkeypatch):
     t1 = time.monotonic()
     assert r.states[0].prefill_s_per_token == pytest.approx(2e-4)  # cumulative on first sight
     assert r.states[0].prefill_load is None  # a load needs an interval
+    assert p.prefill_load_pending  # what the bench waits out before a gate policy starts
     assert gate.status()["prefill_s_per_token"] == pytest.approx(2e-4)
     e.route("GET", "/metrics", text(with_prefill(body, 2.4, 11_000)))  # this interval: 4e-4
     t2 = time.monotonic()
@@ -165,16 +166,46 @@ def test_vllm_prefill_cost_per_uncached_token(redis_url, servers, monkeypatch):
     # 0.4 s of prefill over the wall time between the two scrapes
     assert 0.4 / (t3 - t0) <= r.states[0].prefill_load <= 0.4 / (t2 - t1)
     assert gate.status()["prefill_load"] == pytest.approx(r.states[0].prefill_load)
+    assert not p.prefill_load_pending
     e.route("GET", "/metrics", text(with_prefill(body, 2.5, 11_100)))  # 100 tokens: too few to measure
     assert p.tick().states[0].prefill_s_per_token == pytest.approx(3e-4)
     e.route("GET", "/metrics", text(with_prefill(body, 3.5, 11_300)))  # 300 more since the last update
     assert p.tick().states[0].prefill_s_per_token == pytest.approx(0.5 * 3e-4 + 0.5 * (1.1 / 300))
     e.route("GET", "/metrics", text(with_prefill(body, 0.1, 1_000)))  # restarted engine: start over
     assert p.tick().states[0].prefill_s_per_token == pytest.approx(1e-4)
+    assert p.prefill_load_pending
     e.route("GET", "/metrics", text(body))  # no histograms: no estimate, and none in Redis
     st = p.tick().states[0]
     assert (st.prefill_s_per_token, st.prefill_load) == (None, None)
     assert (gate.status()["prefill_s_per_token"], gate.status()["prefill_load"]) == (None, None)
+    assert not p.prefill_load_pending  # nothing to wait for where no engine exports prefill time
+
+
+def test_bench_starts_gate_policies_with_the_prefill_load_measured(redis_url, servers, monkeypatch):
+    # a deployed poller runs all along; the bench's poller ticks until its first load window
+    # closes before a gate policy's first turn, so the step does not start with the load
+    # unmeasured (the simulator, exporting no prefill time, starts at once)
+    import asyncio
+    from types import SimpleNamespace
+
+    import kvgate.poller
+    from kvgate.bench.runner import _start_poller, _stop_poller
+
+    monkeypatch.setattr(kvgate.poller, "PREFILL_LOAD_WINDOW_S", 0.3)
+    body = read_data("vllm_single_metrics.txt")
+
+    async def start(url: str) -> tuple[float, dict]:
+        t0 = time.monotonic()
+        h = await _start_poller(redis_url, "bench-warm", kvgate.GateConfig(), SimpleNamespace(engine_urls=[url]), 0.1)
+        waited = time.monotonic() - t0
+        status = h.gate.status()
+        await _stop_poller(h)
+        return waited, status
+
+    waited, st = asyncio.run(start(servers(with_prefill(body, 2.0, 10_000)).url))
+    assert waited >= 0.3 and st["prefill_load"] == 0.0  # an idle engine: measured, not unknown
+    waited, st = asyncio.run(start(servers(body).url))
+    assert waited < 0.3 and st["prefill_load"] is None
 
 
 def test_prefill_load_waits_for_a_whole_window(redis_url, servers):

@@ -21,6 +21,7 @@ import contextlib
 import inspect
 import math
 import re
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -337,7 +338,11 @@ async def _start_poller(redis_url: str, gate_name: str, cfg: Any, client: Engine
     """Run the real ``kvgate.poller.Poller`` (static engine list) as a task in this loop.
 
     Returns None when the poller is not importable, so the bench falls back to its own
-    ``/kvgate/usage`` feeder.  The first tick runs before any turn.
+    ``/kvgate/usage`` feeder.  The first tick runs before any turn and, where the engines
+    export prefill time (vLLM), the poller keeps ticking until its first prefill-load window
+    has closed (a few seconds at most): a deployed poller runs all along, so a rollout step
+    never starts with the load unmeasured; without this every gate policy would spend its
+    first seconds holding turns back on an idle engine (docs/benchmarks.md#poller-warm-up).
     """
     try:
         import kvgate
@@ -353,6 +358,11 @@ async def _start_poller(redis_url: str, gate_name: str, cfg: Any, client: Engine
         with contextlib.suppress(Exception):
             sync_gate.close()
         return None
+    from kvgate.poller import PREFILL_LOAD_WINDOW_S
+    deadline = time.monotonic() + PREFILL_LOAD_WINDOW_S + 2 * interval_s
+    while poller.prefill_load_pending and time.monotonic() < deadline:
+        await asyncio.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
+        await poller.atick()
     task = asyncio.create_task(poller.arun())
     return _PollerHandle(poller, task, sync_gate)
 
