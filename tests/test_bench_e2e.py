@@ -84,9 +84,25 @@ def test_embedded_fakeredis_fallback(tmp_path):
     assert all(p["turns_done"] == data["workload"]["turns"] for p in data["policies"])
 
 
+def test_rounds_run_every_policy_again_side_by_side(tmp_path, redis_url, capsys):
+    out = tmp_path / "out"
+    rc = bench_cli.main(["--sessions", "3", "--turns", "2", "--first-prompt", "100", "--tool-result", "10",
+                         "--output", "4", "--time-scale", "0.01", "--policies", "none,cap-2,kvgate",
+                         "--rounds", "2", "--redis", redis_url, "--out", str(out), "--no-progress", "--no-plots"])
+    assert rc == 0
+    data = json.loads((out / "bench.json").read_text())
+    assert data["rounds"] == 2
+    for p in data["policies"]:
+        assert len(p["rounds"]) == 2 and all(r["wall_s"] > 0 for r in p["rounds"])
+        assert p["wall_s"] == pytest.approx(sum(r["wall_s"] for r in p["rounds"]) / 2)  # the median of two
+        assert p["turns_done"] == data["workload"]["turns"]
+    assert "rounds, kvgate: x none" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv", [["--policies", "none,bogus"], ["--caps", "0"], ["--turns", "5-2"],
                                   ["--time-scale", "0"], ["--profile", "no-such-profile"],
-                                  ["--engine", "ftp://x"], ["--knob", "headroom=7", "--policies", "kvgate"]])
+                                  ["--engine", "ftp://x"], ["--knob", "headroom=7", "--policies", "kvgate"],
+                                  ["--rounds", "0"]])
 def test_bad_arguments_exit_2_before_running(tmp_path, argv):
     assert bench_cli.main([*argv, "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     assert not (tmp_path / "o").exists()

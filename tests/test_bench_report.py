@@ -129,6 +129,42 @@ def test_idle_while_waiting_counts_samples_with_waiters_and_nothing_in_flight(ca
     assert "kvgate[max_wait_s=0]:" not in out
 
 
+def test_rounds_report_medians_of_side_by_side_ratios(capsys):
+    from kvgate.bench.report import combine_rounds, render_table
+
+    # three rounds, each policy once per round: walls (none, cap-2, cap-4, kvgate)
+    walls = [(10.0, 7.0, 6.0, 5.0), (12.0, 6.5, 6.6, 6.6), (11.0, 8.0, 7.0, 5.5)]
+    rounds = []
+    for w in walls:
+        rounds.append(summarize([_result(Policy("none", "none"), w[0], 20, 100),
+                                 _result(Policy("cap-2", "cap", cap=2), w[1], 90, 100),
+                                 _result(Policy("cap-4", "cap", cap=4), w[2], 80, 100),
+                                 _result(Policy("kvgate", "gate", admission=True, residency=True), w[3],
+                                         int(10 * w[3]), 100, reasons=("open",))], _workload()))
+    one = combine_rounds(rounds[:1])
+    assert one is rounds[0] and "rounds" not in one["policies"][0]
+    s = combine_rounds(rounds)
+    rows = {x["policy"]: x for x in s["policies"]}
+    assert rows["none"]["wall_s"] == 11.0
+    # the median of the per-round ratios (0.5, 0.55, 0.5), not the ratio of the medians (5.5 / 11)
+    assert rows["kvgate"]["ratio_to_none"] == 0.5
+    assert rows["kvgate"]["wall_s"] == 5.5 and rows["kvgate"]["hit_rate"] == 0.55
+    assert [r["wall_s"] for r in rows["kvgate"]["rounds"]] == [5.0, 6.6, 5.5]
+    # best cap by median wall: cap-4 (6.6) over cap-2 (7.0), though cap-2 won round 2
+    assert s["best_cap"] == "cap-4" and rows["cap-4"]["best_cap"] and not rows["cap-2"]["best_cap"]
+    assert rows["cap-4"]["wall_s"] == 6.6
+    verdicts = {n: ok for n, ok, _ in checks(s, "pressure")}
+    assert verdicts["kvgate wall-clock <= 0.6x no gate"] is True
+    assert verdicts["kvgate beats the best fixed cap (cap-4)"] is True
+    # a round with failed turns fails the comparison, whatever the medians say
+    rounds[1]["policies"][0]["errors"] = 3
+    rounds[1]["policies"][0]["error_examples"] = ["HTTP 500"]
+    bad = combine_rounds(rounds)
+    assert [ok for n, ok, _ in checks(bad, "pressure")] == [False]
+    render_table(s)
+    assert "rounds, kvgate: x none 0.50, 0.55, 0.50" in capsys.readouterr().out
+
+
 def test_reprefill_is_attributed_to_the_admission_that_paid_for_it():
     def turn(sid, i, prompt, cached, reason, out=10):
         return TurnRecord(session=sid, turn=i, ready_s=i, start_s=i, done_s=i + 0.1, prompt_tokens=prompt,

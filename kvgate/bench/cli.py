@@ -19,7 +19,7 @@ from rich.markup import escape
 
 from ..config import parse_value
 from .engines import EngineClient, make_client
-from .report import checks, lag_warnings, render_table, summarize, write_json, write_plots
+from .report import checks, combine_rounds, lag_warnings, render_table, summarize, write_json, write_plots
 from .runner import EngineEnv, Policy, parse_policies, run_policy, scaled_gate_config
 from .workload import VOCAB_DEFAULT, ToolLatency, Workload, WorkloadSpec, generate, load_trace, parse_range
 
@@ -121,6 +121,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "(default: %(default)s)")
     pol.add_argument("--caps", help="caps to sweep for 'cap', e.g. 4,8,16 (default: derived from the pool: "
                                     "half, one and two times the sessions whose final context fits)")
+    pol.add_argument("--rounds", type=int, default=1,
+                     help="run every policy this many times, interleaved (round 1 runs each policy once, "
+                          "then round 2, ...), and report each policy's median; the checks read the "
+                          "medians of the per-round ratios (default: %(default)s)")
 
     eng = p.add_argument_group("engines")
     eng.add_argument("--profile", help="simulator profile name or JSON path")
@@ -354,32 +358,38 @@ def _parse_caps(text: str) -> list[int]:
 
 async def _run_all(args: argparse.Namespace, sc: Scenario, workload: Workload, env: EngineEnv,
                    policies: list[Policy], redis_url: str, base_cfg: Any, time_scale: float,
-                   console: Any) -> list:
+                   console: Any) -> list[list]:
+    """Every policy once per round, in order, rounds one after another: a list per round."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    results = []
-    total = workload.num_turns
+    rounds: list[list] = []
+    total = workload.num_turns * args.rounds
     progress = Progress(TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("turns"), TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
                         console=console, disable=args.no_progress, transient=False)
     with progress:
         tasks = {p.name: progress.add_task(escape(p.name), total=total, info="", start=False) for p in policies}
-        for p in policies:
-            tid = tasks[p.name]
-            progress.start_task(tid)
+        walls: dict[str, list[str]] = {p.name: [] for p in policies}
+        for _ in range(args.rounds):
+            results = []
+            for p in policies:
+                tid = tasks[p.name]
+                progress.start_task(tid)
 
-            def on_turn(rec, tid=tid):
-                progress.advance(tid)
+                def on_turn(rec, tid=tid):
+                    progress.advance(tid)
 
-            async with env.fresh() as client:
-                res = await run_policy(p, workload, client, time_scale=time_scale, redis_url=redis_url,
-                                       base_cfg=base_cfg, scale_knobs=not args.no_scale_knobs,
-                                       snapshot_interval_s=args.snapshot_interval, on_turn=on_turn)
-            hr = res.counters.hit_rate
-            progress.update(tid, info=f"{res.wall_s:.2f}s  hit {hr:.3f}" if hr is not None else f"{res.wall_s:.2f}s")
-            progress.stop_task(tid)
-            results.append(res)
-    return results
+                async with env.fresh() as client:
+                    res = await run_policy(p, workload, client, time_scale=time_scale, redis_url=redis_url,
+                                           base_cfg=base_cfg, scale_knobs=not args.no_scale_knobs,
+                                           snapshot_interval_s=args.snapshot_interval, on_turn=on_turn)
+                hr = res.counters.hit_rate
+                walls[p.name].append(f"{res.wall_s:.2f}s")
+                progress.update(tid, info=" ".join(walls[p.name]) + (f"  hit {hr:.3f}" if hr is not None else ""))
+                progress.stop_task(tid)
+                results.append(res)
+            rounds.append(results)
+    return rounds
 
 
 @contextlib.contextmanager
@@ -430,6 +440,8 @@ def _prepare(args: argparse.Namespace, probe: bool) -> tuple:
         env = SimEnv(args.profile or sc.profile, engines, time_scale,
                      args.kv_capacity if args.kv_capacity is not None else sc.kv_capacity)
         pool = env.pool_tokens
+    if isinstance(args.rounds, bool) or not isinstance(args.rounds, int) or args.rounds < 1:
+        raise ValueError(f"--rounds must be an integer >= 1, got {args.rounds!r}")
     caps = _parse_caps(args.caps) if args.caps else default_caps(workload, pool)
     policies = parse_policies(args.policies, caps)
     base_cfg = base_gate_config(args)  # validated even when no gate policy runs: bad flags are errors
@@ -487,14 +499,14 @@ def run(args: argparse.Namespace) -> int:
                     redis_url, redis_kind = stack.enter_context(embedded_redis(args.embedded_redis))
             else:
                 redis_url, redis_kind = None, "unused"
-            results = asyncio.run(_run_all(args, sc, workload, env, policies, redis_url, base_cfg,
-                                           time_scale, console))
+            rounds = asyncio.run(_run_all(args, sc, workload, env, policies, redis_url, base_cfg,
+                                          time_scale, console))
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the simulator and Redis were stopped on the way out
         console.print("[red]interrupted[/]: no results written")
         return 130
     elapsed = time.monotonic() - t_start
 
-    summary = summarize(results, workload)
+    summary = combine_rounds([summarize(results, workload) for results in rounds])
     render_table(summary, console, scenario=f"trace {args.trace}" if args.trace else args.scenario)
     # the issue-5 checks: the simulator scenarios, and the CPU vLLM ones (on real engines or
     # on the simulator's profile fitted to them); never for a trace, whose regime is unknown
@@ -510,7 +522,7 @@ def run(args: argparse.Namespace) -> int:
     for line in lagged:
         console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False)
     extra = {"scenario": args.scenario, "time_scale": time_scale, "engines": env.describe(),
-             "redis": redis_kind, "elapsed_s": elapsed, "caps": caps,
+             "redis": redis_kind, "elapsed_s": elapsed, "caps": caps, "rounds": args.rounds,
              "checks": [{"check": n, "passed": ok, "detail": d} for n, ok, d in verdicts],
              "warnings": lagged,
              "argv": sys.argv[1:], "version": _source_version()}
@@ -520,10 +532,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_plots:
         paths += write_plots(summary, out_dir)
     console.print(f"total {elapsed:.1f}s; wrote {', '.join(str(p) for p in paths)}", highlight=False)
-    errors = sum(r.errors for r in results)
+    errors = sum(r.errors for results in rounds for r in results)
     if errors:  # a run that lost turns measured less than the workload: say so, exit non-zero
         console.print(f"[red]error:[/] {errors} turn(s) failed; first: "
-                      f"{escape(next(e for r in results for e in r.error_examples))}", highlight=False)
+                      f"{escape(next(e for results in rounds for r in results for e in r.error_examples))}",
+                      highlight=False)
         return 1
     return 0
 

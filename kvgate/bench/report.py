@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Sequence
@@ -10,7 +11,7 @@ from typing import Any, Sequence
 from .runner import PolicyResult
 from .workload import Workload
 
-__all__ = ["summarize", "render_table", "write_json", "write_plots", "checks", "lag_warnings"]
+__all__ = ["summarize", "combine_rounds", "render_table", "write_json", "write_plots", "checks", "lag_warnings"]
 
 
 def _pct(xs: Sequence[float], p: float) -> float | None:
@@ -93,6 +94,41 @@ def summarize(results: Sequence[PolicyResult], workload: Workload) -> dict:
     for x in rows:
         x["best_cap"] = bool(best_cap is not None and x is best_cap)
     return {"workload": workload.describe(), "policies": rows,
+            "best_cap": best_cap["policy"] if best_cap else None}
+
+
+def combine_rounds(summaries: Sequence[dict]) -> dict:
+    """One summary from ``--rounds`` summaries of the same policies (one per round, each
+    policy run once per round, side by side). Each policy's row is its median round (the round
+    whose wall-clock is nearest the median: its series, sessions and step metrics), with
+    ``wall_s`` and ``hit_rate`` the medians over the rounds, ``ratio_to_none`` the median of the
+    per-round ratios (each measured side by side), ``errors`` summed over the rounds, and
+    ``rounds`` listing every round's wall-clock, ratio and hit rate. The best cap is the cap
+    with the lowest median wall-clock. One summary comes back as it is."""
+    if len(summaries) == 1:
+        return summaries[0]
+
+    def med(xs: Sequence[float | None]) -> float | None:
+        vals = [x for x in xs if x is not None]
+        return statistics.median(vals) if vals else None
+
+    rows = []
+    for name in [x["policy"] for x in summaries[0]["policies"]]:
+        per = [next(x for x in s["policies"] if x["policy"] == name) for s in summaries]
+        wall = statistics.median(x["wall_s"] for x in per)
+        row = dict(min(per, key=lambda x: abs(x["wall_s"] - wall)))
+        row.update(wall_s=wall, hit_rate=med([x["hit_rate"] for x in per]),
+                   ratio_to_none=med([x["ratio_to_none"] for x in per]),
+                   errors=sum(x["errors"] for x in per),
+                   error_examples=[e for x in per for e in x["error_examples"]][:5],
+                   rounds=[{"wall_s": x["wall_s"], "ratio_to_none": x["ratio_to_none"], "hit_rate": x["hit_rate"]}
+                           for x in per])
+        rows.append(row)
+    caps = [x for x in rows if x["kind"] == "cap" and not x["errors"]]
+    best_cap = min(caps, key=lambda x: x["wall_s"]) if caps else None
+    for x in rows:
+        x["best_cap"] = bool(best_cap is not None and x is best_cap)
+    return {"workload": summaries[0]["workload"], "policies": rows,
             "best_cap": best_cap["policy"] if best_cap else None}
 
 
@@ -297,6 +333,12 @@ def render_table(summary: dict, console: Any = None, scenario: str = "") -> None
         if x["kind"] == "gate" and by:
             parts = ", ".join(f"{escape(k)} {_tok(v['reprefill_tokens'])} ({v['turns']} turns)" for k, v in by.items())
             console.print(f"re-prefill by admission, {escape(x['policy'])}: {parts}")
+    for x in summary["policies"]:
+        rounds = x.get("rounds")
+        if rounds and x["policy"] != "none":
+            per = ", ".join(_f(r["ratio_to_none"]) for r in rounds)
+            console.print(f"rounds, {escape(x['policy'])}: x none {per}; wall "
+                          + ", ".join(_f(r["wall_s"]) for r in rounds) + " s (the table: medians)")
     for x in summary["policies"]:
         iw = x.get("idle_while_waiting")
         if x["kind"] == "gate" and iw:
