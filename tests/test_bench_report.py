@@ -162,7 +162,11 @@ def test_rounds_report_medians_of_side_by_side_ratios(capsys):
     bad = combine_rounds(rounds)
     assert [ok for n, ok, _ in checks(bad, "pressure")] == [False]
     render_table(s)
-    assert "rounds, kvgate: x none 0.50, 0.55, 0.50" in capsys.readouterr().out
+    assert "rounds, kvgate: x none 0.50, 0.55, 0.50; wall 5.00, 6.60, 5.50 s" in capsys.readouterr().out
+    # without a no-gate policy the line lists the walls alone
+    render_table(combine_rounds([{**r, "policies": [{**x, "ratio_to_none": None} for x in r["policies"]
+                                                     if x["policy"] != "none"]} for r in rounds]))
+    assert "rounds, kvgate: wall 5.00, 6.60, 5.50 s" in capsys.readouterr().out
 
 
 def test_reprefill_is_attributed_to_the_admission_that_paid_for_it():

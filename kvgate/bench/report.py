@@ -336,8 +336,9 @@ def render_table(summary: dict, console: Any = None, scenario: str = "") -> None
     for x in summary["policies"]:
         rounds = x.get("rounds")
         if rounds and x["policy"] != "none":
-            per = ", ".join(_f(r["ratio_to_none"]) for r in rounds)
-            console.print(f"rounds, {escape(x['policy'])}: x none {per}; wall "
+            ratios = "" if all(r["ratio_to_none"] is None for r in rounds) else \
+                "x none " + ", ".join(_f(r["ratio_to_none"]) for r in rounds) + "; "
+            console.print(f"rounds, {escape(x['policy'])}: {ratios}wall "
                           + ", ".join(_f(r["wall_s"]) for r in rounds) + " s (the table: medians)")
     for x in summary["policies"]:
         iw = x.get("idle_while_waiting")
