@@ -194,9 +194,9 @@ def _reprefill_by_admission(turns: Sequence[Any]) -> dict[str, dict[str, int]] |
 
 def _idle_while_waiting(samples: Sequence[dict]) -> dict | None:
     """Of the gate samples with turns waiting, the share with no turn in flight (no lease):
-    how often the gate held turns back while the engines had nothing to do. Near 0 where
-    holding back pays (the simulator's GPU profile); high where it does not (a small model on
-    a slow CPU). None without such samples."""
+    how often the gate held turns back while the engines had nothing to do. 0 on the
+    simulator's GPU profile, 0.1-0.5 on the CPU vLLM models (docs/knobs.md). None without such
+    samples."""
     waiting = [s for s in samples if (s.get("waiting") or 0) > 0 and s.get("leases") is not None]
     if not waiting:
         return None
@@ -344,8 +344,8 @@ def render_table(summary: dict, console: Any = None, scenario: str = "") -> None
         iw = x.get("idle_while_waiting")
         if x["kind"] == "gate" and iw:
             console.print(f"engines idle while turns waited, {escape(x['policy'])}: {iw['share']:.0%} of the "
-                          f"{iw['samples']} samples with turns waiting (of {iw['of']}; high where holding "
-                          "back does not pay, see docs/knobs.md)")
+                          f"{iw['samples']} samples with turns waiting (of {iw['of']}; how to read it: "
+                          "docs/knobs.md)")
 
 
 def write_json(summary: dict, path: Path, extra: dict | None = None) -> None:
