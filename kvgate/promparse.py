@@ -69,13 +69,15 @@ V_PREEMPTIONS = "vllm:num_preemptions_total"
 # (cached tokens excluded); their sums give seconds per uncached token
 V_PREFILL_S = "vllm:request_prefill_time_seconds_sum"
 V_PREFILL_TOKENS = "vllm:request_prefill_kv_computed_tokens_sum"
+SIM_PREFILL_S = "kvgate_sim:prefill_seconds_total"
+SIM_PREFILL_TOKENS = "kvgate_sim:prefill_computed_tokens_total"
 
 
 # every sample name parse_metrics reads: bodies are cut down to these before parsing
 _WANTED = frozenset({S_CAPACITY, S_USED, S_USAGE, S_RUNNING, S_QUEUED, S_HIT_RATE, S_RETRACTED_TOTAL,
                      S_RETRACTED_GAUGE, S_AVAILABLE, S_EVICTABLE, V_CACHE_INFO, V_USAGE, V_USAGE_OLD,
                      V_RUNNING, V_QUEUED, V_HITS, V_QUERIES, V_PREEMPTIONS, V_PREFILL_S,
-                     V_PREFILL_TOKENS})
+                     V_PREFILL_TOKENS, SIM_PREFILL_S, SIM_PREFILL_TOKENS})
 
 
 def _wanted_lines(text: str) -> str:
@@ -270,7 +272,7 @@ def _parse_samples(samples: list[tuple[str, dict, float | None]]) -> EngineMetri
     groups: dict[str | None, _Group] = {}
     models: set[str] = set()
     for name, labels, value in samples:
-        if not name.startswith(prefix):
+        if not name.startswith(prefix) and name not in (SIM_PREFILL_S, SIM_PREFILL_TOKENS):
             continue
         dp = labels.get(dp_label)
         if dp == "":
@@ -349,6 +351,8 @@ def _build_rank(kind: str, dp: str | None, g: _Group) -> RankMetrics:
             preemptions=preempt,
             available_tokens=_int_or_none(g.get(S_AVAILABLE)),
             evictable_tokens=_int_or_none(g.get(S_EVICTABLE)),
+            prefill_seconds=g.get(SIM_PREFILL_S),
+            prefill_tokens=g.get(SIM_PREFILL_TOKENS),
             series=max(g.series.get(S_CAPACITY, 1), 1),
         )
     cap = g.capacity_info

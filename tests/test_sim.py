@@ -185,6 +185,31 @@ def test_lru_eviction_when_the_pool_overflows(fresh):
         assert metric(m, "sglang:kv_evictable_tokens") > 0
 
 
+@pytest.mark.parametrize("process", [False, True])
+def test_prefill_time_is_exported_only_when_asked(process):
+    # SGLang exports no prefill time; with prefill_metrics the simulator adds one (simulator-only
+    # name), summed per request over each prefill batch as vLLM does, in wall time, which the
+    # poller's parser reads as it reads vLLM's histogram sums
+    from kvgate import promparse
+
+    prof = load_profile("gpu-h100-30b", **SMALL)
+    scale = 0.001
+    with SimCluster(1, time_scale=scale, router=False, process=process, prefill_metrics=True, **SMALL) as sim, \
+            SimCluster(1, time_scale=0.0, router=False, **SMALL) as plain, client() as c:
+        url = sim.engine_urls[0]
+        p1 = rand_ids(30, 600)
+        gen(c, url, p1, 4)
+        gen(c, url, p1, 4)  # 592 tokens cached: 8 computed
+        want = (2 * prof.prefill_base_s + (600 + 8) * prof.prefill_s_per_token) * scale
+        assert metric(metrics(c, url), "kvgate_sim:prefill_seconds_total") == pytest.approx(want)
+        rank = promparse.parse_metrics(c.get(url + "/metrics").text).ranks[0]
+        assert rank.prefill_seconds == pytest.approx(want) and rank.prefill_tokens == 608
+        gen(c, plain.engine_urls[0], p1, 4)
+        body = c.get(plain.engine_urls[0] + "/metrics").text
+        assert "kvgate_sim:prefill_seconds_total" not in body
+        assert promparse.parse_metrics(body).ranks[0].prefill_seconds is None
+
+
 def test_probe_is_read_only_and_agrees_with_the_engine(fresh):
     url = fresh.engine_urls[0]
     with client() as c:

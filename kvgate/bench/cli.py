@@ -130,6 +130,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--profile", help="simulator profile name or JSON path")
     eng.add_argument("--sim-engines", type=int, help="simulated engines behind the router")
     eng.add_argument("--kv-capacity", type=int, help="override the profile's KV pool per engine (tokens)")
+    eng.add_argument("--sim-prefill-metrics", action="store_true",
+                     help="the simulator exports its prefill time (SGLang does not), so the gate's "
+                          "prefill-cost rules (wait_cost_*) run as on vLLM")
     eng.add_argument("--engine", nargs="+", metavar="URL",
                      help="real engine base URLs instead of the simulator")
     eng.add_argument("--engine-kind", choices=("vllm", "sglang"), default="vllm",
@@ -230,7 +233,7 @@ class SimEnv(EngineEnv):
     """
 
     def __init__(self, profile: str, engines: int, time_scale: float, kv_capacity: int | None,
-                 in_process: bool = False) -> None:
+                 in_process: bool = False, prefill_metrics: bool = False) -> None:
         from kvgate.sim import load_profile
 
         overrides = {"kv_capacity_tokens": kv_capacity} if kv_capacity else {}
@@ -238,12 +241,13 @@ class SimEnv(EngineEnv):
         self.engines = engines
         self.time_scale = time_scale
         self.in_process = in_process
+        self.prefill_metrics = prefill_metrics
 
     def describe(self) -> dict:
         return {"engine": "sglang-simulator (kvgate.sim)", "profile": self.profile.name,
                 "engines": self.engines, "kv_capacity_tokens": self.profile.kv_capacity_tokens,
                 "pool_tokens": self.pool_tokens, "time_scale": self.time_scale,
-                "profile_source": self.profile.source}
+                "profile_source": self.profile.source, "prefill_metrics": self.prefill_metrics}
 
     @property
     def pool_tokens(self) -> int:
@@ -254,7 +258,8 @@ class SimEnv(EngineEnv):
         from kvgate.sim import SimCluster
 
         cluster = SimCluster(self.engines, self.profile, time_scale=self.time_scale, router=False,
-                             process=not self.in_process, health_check_interval_s=None)
+                             process=not self.in_process, health_check_interval_s=None,
+                             prefill_metrics=self.prefill_metrics)
         starting = asyncio.ensure_future(asyncio.to_thread(cluster.start))
         try:
             await asyncio.shield(starting)
@@ -429,6 +434,8 @@ def _prepare(args: argparse.Namespace, probe: bool) -> tuple:
     env: EngineEnv | None = None
     pool = None
     if args.engine:
+        if args.sim_prefill_metrics:
+            raise ValueError("--sim-prefill-metrics applies to the simulator, not to --engine URLs")
         make_client(args.engine_kind, args.engine, args.engine)  # validates the URLs
         if probe:
             env = RealEnv(args.engine_kind, args.engine, args.router, args.model)
@@ -438,7 +445,8 @@ def _prepare(args: argparse.Namespace, probe: bool) -> tuple:
         if engines < 1:
             raise ValueError("--sim-engines must be >= 1")
         env = SimEnv(args.profile or sc.profile, engines, time_scale,
-                     args.kv_capacity if args.kv_capacity is not None else sc.kv_capacity)
+                     args.kv_capacity if args.kv_capacity is not None else sc.kv_capacity,
+                     prefill_metrics=args.sim_prefill_metrics)
         pool = env.pool_tokens
     if isinstance(args.rounds, bool) or not isinstance(args.rounds, int) or args.rounds < 1:
         raise ValueError(f"--rounds must be an integer >= 1, got {args.rounds!r}")

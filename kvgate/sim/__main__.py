@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="multiplier on engine time (0.05 = 20x faster than real time, 0 = no sleeping)")
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--dp-size", type=int, default=1)
+    ap.add_argument("--prefill-metrics", action="store_true",
+                    help="SIMULATOR ONLY: export kvgate_sim:prefill_seconds_total, a prefill time SGLang "
+                         "does not export, so the poller measures a prefill cost as on vLLM")
     ap.add_argument("--enable-session-radix-cache", action="store_true",
                     help="pin open sessions' KV until /close_session (SGLang --enable-session-radix-cache)")
     ap.add_argument("--kv-capacity-tokens", type=int, default=None, help="override the profile's pool size")
@@ -65,7 +68,7 @@ def main(argv=None) -> int:
                              router=not args.no_router, workers_endpoint=not args.no_workers_endpoint,
                              health_check_interval_s=args.health_check_interval or None,
                              host=args.host, base_port=args.port, router_port=args.router_port,
-                             advertise_host=args.advertise_host,
+                             advertise_host=args.advertise_host, prefill_metrics=args.prefill_metrics,
                              **overrides)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -101,14 +101,14 @@ class SimCluster:
                  workers_endpoint: bool = True, health_check_interval_s: Optional[float] = 1.0,
                  host: str = LOOPBACK, base_port: int = 0, router_port: Optional[int] = None,
                  advertise_host: Optional[str] = None, process: bool = False,
-                 start_timeout_s: float = 20.0,
+                 start_timeout_s: float = 20.0, prefill_metrics: bool = False,
                  stop_timeout_s: float = 10.0, **profile_overrides: Any) -> None:
         if isinstance(n_engines, bool) or not isinstance(n_engines, int) or n_engines < 1:
             raise ValueError(f"n_engines must be an integer >= 1, got {n_engines!r}")
         self.profile: Profile = load_profile(profile, **profile_overrides)
         self.n_engines = n_engines
         self.engine_kwargs = dict(time_scale=time_scale, tp_size=tp_size, dp_size=dp_size,
-                                  session_radix_cache=session_radix_cache)
+                                  session_radix_cache=session_radix_cache, prefill_metrics=prefill_metrics)
         SimEngine(self.profile, **self.engine_kwargs)  # validate arguments early
         self.with_router = router
         self.workers_endpoint = workers_endpoint
@@ -335,6 +335,8 @@ class SimCluster:
             cmd += ["--router-port", str(self.router_port)]
         if self.engine_kwargs["session_radix_cache"]:
             cmd.append("--enable-session-radix-cache")
+        if self.engine_kwargs["prefill_metrics"]:
+            cmd.append("--prefill-metrics")
         if not self.with_router:
             cmd.append("--no-router")
         if not self.workers_endpoint:

@@ -29,7 +29,7 @@ class SimEngine:
     def __init__(self, profile: Any = None, *, time_scale: float = 1.0, tp_size: int = 1,
                  dp_size: int = 1, session_radix_cache: bool = False,
                  engine_id: str = "sim-engine", model_name: Optional[str] = None,
-                 **profile_overrides: Any) -> None:
+                 prefill_metrics: bool = False, **profile_overrides: Any) -> None:
         if isinstance(time_scale, bool) or not isinstance(time_scale, (int, float)) or time_scale < 0:
             raise ValueError(f"time_scale must be a number >= 0, got {time_scale!r}")
         for k, v in (("tp_size", tp_size), ("dp_size", dp_size)):
@@ -40,6 +40,9 @@ class SimEngine:
         self.tp_size = tp_size
         self.dp_size = dp_size
         self.session_radix_cache = bool(session_radix_cache)
+        # SIMULATOR ONLY, opt-in: export the engine's prefill time, which SGLang does not, so the
+        # poller can measure a prefill cost and load as it does on vLLM (docs/simulator.md)
+        self.prefill_metrics = bool(prefill_metrics)
         self.engine_id = engine_id
         self.model_name = model_name or self.profile.model_name
         self.ranks: List[RankScheduler] = [
@@ -264,6 +267,7 @@ class SimEngine:
             "evicted_blocks": c.evicted_blocks,
             "evicted_tokens": c.evicted_blocks * B,
             "prefill_computed_tokens": r.prefill_computed_tokens,
+            "prefill_seconds_wall": r.prefill_seconds * self.time_scale,
             "decode_steps": r.step,
             "engine_time_s": r.clock,
         }
@@ -357,6 +361,11 @@ class SimEngine:
         per_rank("kvgate_sim:prefill_computed_tokens_total", "counter",
                  "SIMULATOR ONLY: tokens actually prefilled (uncached + recomputed after retraction).",
                  "prefill_computed_tokens")
+        if self.prefill_metrics:
+            per_rank("kvgate_sim:prefill_seconds_total", "counter",
+                     "SIMULATOR ONLY: seconds of prefill, summed over the requests of each prefill "
+                     "batch (as vLLM's request_prefill_time_seconds), in wall time.",
+                     "prefill_seconds_wall")
         per_rank("kvgate_sim:open_sessions", "gauge",
                  "SIMULATOR ONLY: sessions whose KV is pinned (session radix cache).",
                  "open_sessions")

@@ -150,6 +150,7 @@ class RankScheduler:
         self.retracted_input_tokens = 0
         self.retracted_output_tokens = 0
         self.prefill_computed_tokens = 0
+        self.prefill_seconds = 0.0  # engine seconds of prefill, per request (as vLLM observes them)
         self._hits: Deque[Tuple[int, int]] = deque()
         self._hit_sum = 0
         self._tok_sum = 0
@@ -261,6 +262,7 @@ class RankScheduler:
         self.clock += it.duration_s
         done: List[Req] = []
         if it.kind == "prefill":
+            self.prefill_seconds += it.duration_s * len(it.batch)
             for r in it.batch:
                 self._prefill_done(r, done)
         else:
