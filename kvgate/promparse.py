@@ -69,6 +69,8 @@ V_PREEMPTIONS = "vllm:num_preemptions_total"
 # (cached tokens excluded); their sums give seconds per uncached token
 V_PREFILL_S = "vllm:request_prefill_time_seconds_sum"
 V_PREFILL_TOKENS = "vllm:request_prefill_kv_computed_tokens_sum"
+# SGLang exports no prefill time; the simulator can (opt-in, docs/simulator.md), under its own
+# names, so the prefill-cost rules can run on its GPU profile. Read for SGLang-kind bodies only.
 SIM_PREFILL_S = "kvgate_sim:prefill_seconds_total"
 SIM_PREFILL_TOKENS = "kvgate_sim:prefill_computed_tokens_total"
 

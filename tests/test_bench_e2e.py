@@ -121,6 +121,32 @@ def test_bad_arguments_exit_2_before_running(tmp_path, argv):
     assert not (tmp_path / "o").exists()
 
 
+def test_bad_rounds_are_reported_before_any_engine_is_asked(tmp_path, capsys):
+    import http.server
+    import threading
+
+    hits = []
+
+    class Engine(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            hits.append(self.path)
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        rc = bench_cli.main(["--engine", f"http://127.0.0.1:{srv.server_address[1]}", "--rounds", "0",
+                             "--out", str(tmp_path / "o"), "--no-progress"])
+    finally:
+        srv.shutdown()
+    assert rc == 2 and "--rounds must be an integer >= 1" in capsys.readouterr().out
+    assert hits == []
+
+
 def test_check_args_finds_the_errors_of_a_run_without_touching_an_engine():
     # port 1 answers nothing: a probe of the pool would fail, so None means nothing was asked
     eng = ["--engine", "http://127.0.0.1:1", "--engine-kind", "vllm", "--scenario", "cpu-heavy", "--vocab", "1000"]

@@ -423,6 +423,8 @@ def _prepare(args: argparse.Namespace, probe: bool) -> tuple:
     """Check every argument and build what a run needs; ``probe=False`` touches no engine (the
     pool is then unknown, so default caps are a placeholder). Raises ValueError."""
     sc = SCENARIOS[args.scenario]
+    if isinstance(args.rounds, bool) or not isinstance(args.rounds, int) or args.rounds < 1:
+        raise ValueError(f"--rounds must be an integer >= 1, got {args.rounds!r}")
     time_scale = args.time_scale if args.time_scale is not None else (1.0 if args.engine else sc.time_scale)
     if not (math.isfinite(time_scale) and time_scale > 0):
         raise ValueError(f"--time-scale must be > 0, got {time_scale}")
@@ -448,8 +450,6 @@ def _prepare(args: argparse.Namespace, probe: bool) -> tuple:
                      args.kv_capacity if args.kv_capacity is not None else sc.kv_capacity,
                      prefill_metrics=args.sim_prefill_metrics)
         pool = env.pool_tokens
-    if isinstance(args.rounds, bool) or not isinstance(args.rounds, int) or args.rounds < 1:
-        raise ValueError(f"--rounds must be an integer >= 1, got {args.rounds!r}")
     caps = _parse_caps(args.caps) if args.caps else default_caps(workload, pool)
     policies = parse_policies(args.policies, caps)
     base_cfg = base_gate_config(args)  # validated even when no gate policy runs: bad flags are errors
