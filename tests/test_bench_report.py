@@ -105,6 +105,23 @@ def test_lag_warnings_name_the_policies_whose_bench_was_short_of_cpu():
     assert lag_warnings(summary, 1.0)[0].endswith("--time-scale")
 
 
+def test_a_starved_round_is_reported_though_the_median_round_was_not():
+    from dataclasses import replace
+
+    from kvgate.bench.report import combine_rounds, lag_warnings, round_lag_warnings
+
+    def kv(wall, lags):
+        return replace(_result(Policy("kvgate", "gate", admission=True, residency=True), wall, 80, 100,
+                               reasons=("open",)), loop_lags=lags)
+    none = _result(Policy("none", "none"), 10.0, 20, 100)
+    rounds = [summarize([none, kv(w, lags)], _workload())
+              for w, lags in ((6.0, [0.001]), (5.0, [0.001]), (9.0, [0.02, 0.03]))]
+    assert lag_warnings(combine_rounds(rounds), 0.02) == []  # the median round (6.0 s) was quiet
+    warned = round_lag_warnings(rounds, 0.02)
+    assert len(warned) == 1 and warned[0].startswith("round 3: kvgate: ")
+    assert round_lag_warnings(rounds[2:], 0.02) == lag_warnings(rounds[2], 0.02)  # one round: as before
+
+
 def test_idle_while_waiting_counts_samples_with_waiters_and_nothing_in_flight(capsys):
     from kvgate.bench.report import render_table
 

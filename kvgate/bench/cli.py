@@ -19,7 +19,7 @@ from rich.markup import escape
 
 from ..config import parse_value
 from .engines import EngineClient, make_client
-from .report import checks, combine_rounds, lag_warnings, render_table, summarize, write_json, write_plots
+from .report import checks, combine_rounds, render_table, round_lag_warnings, summarize, write_json, write_plots
 from .runner import EngineEnv, Policy, parse_policies, run_policy, scaled_gate_config
 from .workload import VOCAB_DEFAULT, ToolLatency, Workload, WorkloadSpec, generate, load_trace, parse_range
 
@@ -514,7 +514,8 @@ def run(args: argparse.Namespace) -> int:
         return 130
     elapsed = time.monotonic() - t_start
 
-    summary = combine_rounds([summarize(results, workload) for results in rounds])
+    summaries = [summarize(results, workload) for results in rounds]
+    summary = combine_rounds(summaries)
     render_table(summary, console, scenario=f"trace {args.trace}" if args.trace else args.scenario)
     # the issue-5 checks: the simulator scenarios, and the CPU vLLM ones (on real engines or
     # on the simulator's profile fitted to them); never for a trace, whose regime is unknown
@@ -526,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
     for name, ok, detail in verdicts:
         mark = "[green]PASS[/]" if ok else "[red]FAIL[/]"
         console.print(f"{mark} {escape(name)}: {escape(detail)}", highlight=False)  # kvgate[..] is markup
-    lagged = lag_warnings(summary, time_scale)
+    lagged = round_lag_warnings(summaries, time_scale)
     for line in lagged:
         console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False)
     extra = {"scenario": args.scenario, "time_scale": time_scale, "engines": env.describe(),

@@ -11,7 +11,8 @@ from typing import Any, Sequence
 from .runner import PolicyResult
 from .workload import Workload
 
-__all__ = ["summarize", "combine_rounds", "render_table", "write_json", "write_plots", "checks", "lag_warnings"]
+__all__ = ["summarize", "combine_rounds", "render_table", "write_json", "write_plots", "checks", "lag_warnings",
+           "round_lag_warnings"]
 
 
 def _pct(xs: Sequence[float], p: float) -> float | None:
@@ -159,6 +160,15 @@ def _session_rows(turns: Sequence[Any], n_turns: dict[str, int]) -> list[dict]:
                                                       if t.outcome or t.reason).items()))})
     out.sort(key=lambda x: x["end_s"])
     return out
+
+
+def round_lag_warnings(summaries: Sequence[dict], time_scale: float) -> list[str]:
+    """:func:`lag_warnings` for every round of a ``--rounds`` run (prefixed ``round N:`` when
+    there are several): the combined summary carries only each policy's median round, and a
+    starved round elsewhere distorts the medians too."""
+    pre = len(summaries) > 1
+    return [(f"round {i}: " if pre else "") + w
+            for i, s in enumerate(summaries, 1) for w in lag_warnings(s, time_scale)]
 
 
 def _reprefill_by_admission(turns: Sequence[Any]) -> dict[str, dict[str, int]] | None:

@@ -346,7 +346,7 @@ async def _start_poller(redis_url: str, gate_name: str, cfg: Any, client: Engine
     """
     try:
         import kvgate
-        from kvgate.poller import Poller
+        from kvgate.poller import PREFILL_LOAD_WINDOW_S, Poller
     except ImportError:
         return None
     sync_gate = kvgate.Gate.from_url(redis_url, gate=gate_name, config=cfg)
@@ -358,7 +358,6 @@ async def _start_poller(redis_url: str, gate_name: str, cfg: Any, client: Engine
         with contextlib.suppress(Exception):
             sync_gate.close()
         return None
-    from kvgate.poller import PREFILL_LOAD_WINDOW_S
     deadline = time.monotonic() + PREFILL_LOAD_WINDOW_S + 2 * interval_s
     while poller.prefill_load_pending and time.monotonic() < deadline:
         await asyncio.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
