@@ -145,7 +145,7 @@ def test_compose_env_knobs_are_gateconfig_knobs(compose):
     extra = {"KVGATE_REDIS_URL", "KVGATE_GATE", "KVGATE_LOG_LEVEL"}
     env = services(compose)["poller-a"]["environment"]
     assert set(env) - knobs - extra == set(), "unknown KVGATE_* variables in compose"
-    missing = knobs - set(env) - {"KVGATE_REAP_BATCH", "KVGATE_ENGINE_URLS"}
+    missing = knobs - set(env)
     assert not missing, f"knobs not passed through to the pollers/rollout: {sorted(missing)}"
     # the CLI reads the connection from these two
     assert interpolate(env["KVGATE_REDIS_URL"]) == "redis://redis:6379/0"

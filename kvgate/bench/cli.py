@@ -120,7 +120,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "kvgate; a gate policy may set its own knobs, e.g. 'kvgate[max_wait_s=600]' "
                           "(default: %(default)s)")
     pol.add_argument("--caps", help="caps to sweep for 'cap', e.g. 4,8,16 (default: derived from the pool: "
-                                    "half, one and two times the sessions whose final context fits)")
+                                    "one and two times the sessions whose final context fits)")
     pol.add_argument("--rounds", type=int, default=1,
                      help="run every policy this many times, interleaved (round 1 runs each policy once, "
                           "then round 2, ...), and report each policy's median; the checks read the "
