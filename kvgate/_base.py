@@ -143,6 +143,9 @@ class GateBase:
         pst = float(raw.get("prefill_s_per_token", -1))
         pl = float(raw.get("prefill_load", -1))
         gap = float(raw.get("tool_gap_s", -1))
+        # what wait_cost_pool compares with the tool gap: refilling each engine's share of the
+        # ledger's pool cold (lua/includes/state.lua, cost_wait_ms)
+        refill = pst * ceiling / max(1, int(raw.get("n_healthy", 0) or 0)) if pst >= 0 else None
         return {
             "gate": self.name, "reserved": reserved, "ceiling": ceiling, "capacity": cap,
             "available": max(0, ceiling - reserved), "usage": float(raw.get("usage", 0) or 0),
@@ -150,7 +153,7 @@ class GateBase:
             "leases": int(raw.get("leases", 0)), "windows": int(raw.get("windows", 0)),
             "snapshot_age_s": age, "degraded": not fresh, "hit_rate": hit if hit >= 0 else None,
             "prefill_s_per_token": pst if pst >= 0 else None, "prefill_load": pl if pl >= 0 else None,
-            "tool_gap_s": gap if gap >= 0 else None,
+            "tool_gap_s": gap if gap >= 0 else None, "pool_refill_s": refill,
             "engines": engines, "fifo_head": [txt(t) for t, _ in head],
             "totals": {txt(k): float(v) for k, v in totals.items()},
         }

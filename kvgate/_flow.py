@@ -116,7 +116,7 @@ def knob_params(cfg: GateConfig, channel: str) -> dict:
         # a waiter re-checks at least every wait_poll_s: two missed polls mean it is gone
         "alive_ms": 2 * wait_ms + 1000, "claim_ms": 2 * wait_ms + 1000,
         "max_wait_ms": int(cfg.max_wait_s * 1000), "wcr": cfg.wait_cost_ratio, "wcl": cfg.wait_cost_load,
-        "wcg": cfg.wait_cost_gap,
+        "wcg": cfg.wait_cost_gap, "wcp": cfg.wait_cost_pool,
         "gr": cfg.growth_reserve, "reap": cfg.reap_batch, "ch": channel,
     }
 

@@ -33,6 +33,7 @@ class GateConfig:
     wait_cost_ratio: float = 4.0
     wait_cost_load: float = 0.3
     wait_cost_gap: float = 0.0
+    wait_cost_pool: float = 8.0
     wait_poll_s: float = 5.0
     idle_grace_s: float = 60.0
     lease_ttl_s: float = 600.0
@@ -85,7 +86,7 @@ class GateConfig:
                     f"high_watermark ({self.high_watermark}) must be <= pressure_threshold "
                     f"({self.pressure_threshold})")
         for name, lo_open in (("max_wait_s", False), ("wait_cost_ratio", False), ("wait_cost_load", False),
-                              ("wait_cost_gap", False),
+                              ("wait_cost_gap", False), ("wait_cost_pool", False),
                               ("wait_poll_s", True), ("idle_grace_s", False), ("lease_ttl_s", True), ("staleness_s", True),
                               ("redis_timeout_s", True), ("probe_timeout_s", True),
                               ("close_timeout_s", True)):
@@ -131,7 +132,7 @@ KNOB_TYPES: dict[str, type] = {
     "admission": bool, "residency": bool, "session_lifecycle": bool, "headroom": float,
     "pressure_threshold": float, "high_watermark": float, "hit_threshold": float,
     "expected_decode_cap": int, "growth_reserve": float, "max_wait_s": float,
-    "wait_cost_ratio": float, "wait_cost_load": float, "wait_cost_gap": float, "wait_poll_s": float,
+    "wait_cost_ratio": float, "wait_cost_load": float, "wait_cost_gap": float, "wait_cost_pool": float, "wait_poll_s": float,
     "idle_grace_s": float, "lease_ttl_s": float, "staleness_s": float, "scope": str,
     "redis_timeout_s": float, "probe_timeout_s": float, "close_timeout_s": float,
     "reap_batch": int, "engine_urls": tuple,

@@ -76,6 +76,11 @@ def render_status(status: Mapping, *, leader: str | None = None, title: str | No
                      + ("" if load is None else f", load {float(load):.2f} (busiest)"))
     if s.get("tool_gap_s") is not None:
         head.add_row("tool gap", f"{float(s['tool_gap_s']):.3f} s (typical time between a session's turns)")
+    refill, gap = s.get("pool_refill_s"), s.get("tool_gap_s")
+    if refill is not None:
+        head.add_row("pool refill", f"{float(refill):.3f} s cold per engine"
+                     + (f", {float(refill) / float(gap):.1f} tool gaps (waits shorten at or below "
+                        f"wait_cost_pool)" if gap else ""))
     head.add_row("fifo waiting", str(s.get("waiting", 0)))
     head.add_row("leases", str(s.get("leases", 0)))
     head.add_row("windows", str(s.get("windows", 0)))

@@ -8,7 +8,7 @@
     protected (0/1), retain (0/1 open an ownership window when admitted under pressure),
     probe (float): -1 not probed yet, -2 probe unavailable / not configured, else hit ratio 0..1,
     adm, res, hw, pt, hit (hit_threshold), headroom, stale_ms, ttl_ms, grace_ms, claim_ms,
-    max_wait_ms (aging), wcr (wait_cost_ratio), wcl (wait_cost_load), wcg (wait_cost_gap),
+    max_wait_ms (aging), wcr (wait_cost_ratio), wcl (wait_cost_load), wcg (wait_cost_gap), wcp (wait_cost_pool),
     gap (optional ms: the session's time away since its last turn ended, sent once per
     attempt; feeds the typical tool gap in the ledger), alive_ms (a waiter's
     liveness extension), reap (bounded work), ch (channel),
@@ -26,7 +26,7 @@
 
 local ticket, session, need = P.ticket, P.session, math.floor(num(P.need, 0))
 
--- a new attempt may report how long its session was away since its last turn (wait_cost_gap)
+-- a new attempt may report how long its session was away since its last turn (wait_cost_gap, wait_cost_pool)
 if num(P.gap, -1) >= 0 then note_gap(P.gap) end
 
 -- the FIFO place of a superseded attempt passes to the attempt that superseded it only while

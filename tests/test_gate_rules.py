@@ -390,9 +390,10 @@ def test_tool_gap_decides_the_wait_bound_once_known(backend, clock, load, gap_ms
     # spend away between turns, the waiter ages after 4 x 0.2 s, whatever the prefill load
     # (0.5, above wait_cost_load); longer, it keeps max_wait_s, whatever the load (0.1, below:
     # sessions back every 50 ms keep the engine busy re-prefilling). Before 8 gaps, or with
-    # wait_cost_gap 0 (the default: None here), the load decides as before
+    # wait_cost_gap 0 (its default: None here), the load decides as before. The pool rule,
+    # on by default, is off here: the next test covers it and its order with this one
     knob = {} if wcg is None else {"wait_cost_gap": wcg}
-    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, wait_cost_ratio=4.0, **knob)
+    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, wait_cost_ratio=4.0, wait_cost_pool=0.0, **knob)
     g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001, load))
     report_gaps(g, gap_ms, n)
     st = g.status()
@@ -402,6 +403,45 @@ def test_tool_gap_decides_the_wait_bound_once_known(backend, clock, load, gap_ms
     assert (r["o"], r["mw"]) == ("wait", bound_ms)
     clock.advance(0.8)
     recheck_past_the_bound(g, load, bound_ms, held)
+
+
+@pytest.mark.parametrize("n_engines, gap_ms, n, wcp, wcg, load, bound_ms", [
+    (1, 400, 8, 3.0, 0.0, 0.5, 800),     # refill 1 s <= 3 x 0.4 s: time to spare, whatever the load
+    (1, 300, 8, 3.0, 0.0, 0.1, 30000),   # refill 1 s > 3 x 0.3 s: keep max_wait_s, whatever the load
+    (2, 200, 8, 3.0, 0.0, 0.5, 800),     # two engines refill their halves in parallel: 0.5 s <= 0.6 s
+    (1, 400, 7, 3.0, 0.0, 0.5, 30000),   # before 8 gaps the load decides (0.5: busy)
+    (1, 400, 7, 3.0, 0.0, 0.1, 800),     # ... (0.1: time to spare)
+    (1, 400, 8, 0.0, 0.0, 0.5, 30000),   # wait_cost_pool 0: the load decides
+    (1, 300, 8, 3.0, 4.0, 0.5, 800),     # wait_cost_gap, when set, decides first (0.2 s <= 1.2 s)
+    (1, 400, 8, 3.0, 0.4, 0.5, 30000),   # ... and says no here (0.2 s > 0.4 x 0.4 s), where the pool would say yes
+])
+def test_pool_refill_decides_the_wait_bound_once_the_gap_is_known(backend, clock, n_engines, gap_ms, n,
+                                                                  wcp, wcg, load, bound_ms):
+    # 1 ms per uncached token and a pool of 1,000 tokens (headroom 1): refilling the pool cold
+    # takes 1 s, split over the engines that share it. Once 8 gaps were reported, the engines
+    # have time to spare when that refill takes at most wait_cost_pool x the typical tool gap:
+    # then the 200-token waiter ages after 4 cold prefills of its turn (0.8 s)
+    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, wait_cost_ratio=4.0,
+               wait_cost_pool=wcp, wait_cost_gap=wcg)
+    snap = priced(engines(cap=1000 // n_engines, usage=0.1, n=n_engines), 0.001, load)
+    g.write_snapshot(snap)
+    report_gaps(g, gap_ms, n)
+    held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
+    r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
+    assert (r["o"], r["mw"]) == ("wait", bound_ms)
+    clock.advance(0.8)
+    g.write_snapshot(snap)
+    r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
+    if bound_ms == 800:
+        assert (r["o"], r["r"]) == ("admit", "aged")
+        script(g, "release", ticket="t")
+    else:
+        assert (r["o"], r["mw"]) == ("wait", 30000)
+        script(g, "cancel", ticket="t", aged=0)
+    held.release()
+    g.finish_session("a")
+    g.finish_session("new")
+    assert ledger(g) == 0
 
 
 def test_snapshot_write_with_a_waiter_outside_the_gap_bound(backend, clock):

@@ -12,7 +12,7 @@ local function snapshot()
     "prefill_s_per_token", "prefill_load")
   local ts = tonumber(v[1])
   local s = { fresh = false, usage = num(v[2], 0), capacity = num(v[3], 0), ceiling = 0,
-    pst = num(v[5], -1), pl = num(v[6], -1) }
+    nh = num(v[4], 0), pst = num(v[5], -1), pl = num(v[6], -1) }
   if ts ~= nil and num(v[4], 0) > 0 and (NOW - ts) <= num(P.stale_ms, 6000) then
     s.fresh = true
   end
@@ -161,17 +161,23 @@ end
 
 -- wait_cost_ratio: how long a waiter of `need` tokens may wait when the snapshot says a cold
 -- prefill is measured and the engines have time to spare; nil when that bound does not apply
--- (max_wait_ms alone). Time to spare: a cold prefill of this turn takes at most
--- wait_cost_gap x the typical tool gap (the engine can redo the prefix in about the time the
--- session spends away between its turns); until clients have reported a typical gap (or with
--- wait_cost_gap 0), the prefill load is below wait_cost_load
+-- (max_wait_ms alone). Time to spare, once clients have reported a typical tool gap: with
+-- wait_cost_gap set, a cold prefill of this turn takes at most wait_cost_gap x that gap;
+-- else (the default) refilling each engine's share of the pool cold takes at most
+-- wait_cost_pool x that gap (whatever the gate protects, the engines rebuild within a few of
+-- the sessions' tool calls, so holding turns back buys little). Until a gap is known, or
+-- with both knobs at 0, the prefill load is below wait_cost_load
 local function cost_wait_ms(snap, need)
   if num(P.wcr, 0) <= 0 or snap.pst <= 0 then return nil end
   local cold = snap.pst * need
-  local g = num(P.wcg, 0) > 0 and tool_gap_s() or nil
+  local wcg, wcp = num(P.wcg, 0), num(P.wcp, 0)
+  local g = (wcg > 0 or wcp > 0) and tool_gap_s() or nil
   local spare
-  if g ~= nil then
-    spare = cold <= P.wcg * g
+  if g ~= nil and wcg > 0 then
+    spare = cold <= wcg * g
+  elseif g ~= nil then
+    -- the engines refill their whole share of the pool cold within wcp typical tool gaps
+    spare = snap.pst * snap.ceiling / math.max(1, snap.nh) <= wcp * g
   else
     spare = snap.pl >= 0 and snap.pl < num(P.wcl, 0.3)
   end
