@@ -355,11 +355,12 @@ def test_measured_prefill_cost_shortens_the_wait(backend, clock, ratio, load, bo
     recheck_past_the_bound(g, load, bound_ms, held)
 
 
-def recheck_past_the_bound(g, load, bound_ms, held):
-    """Re-check waiter "t" (session "new", 200 tokens) 0.8 s into its wait: aged in if its bound
-    was 4 cold prefills (800 ms), still waiting on max_wait_s (30 s) otherwise; then let go of it
-    and of the lease `held` (session "a") that kept it waiting, and check the ledger is empty."""
-    g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001, load))
+def recheck_past_the_bound(g, load, bound_ms, held, snap=None):
+    """Re-check waiter "t" (session "new", 200 tokens) 0.8 s into its wait, after a snapshot
+    write (`snap`, default: one 1,000-token engine at 1 ms per token and `load`): aged in if its
+    bound was 4 cold prefills (800 ms), still waiting on max_wait_s (30 s) otherwise; then let go
+    of it and of the lease `held` (session "a") that kept it waiting, and check the ledger is empty."""
+    g.write_snapshot(snap if snap is not None else priced(engines(cap=1000, usage=0.1), 0.001, load))
     r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
     if bound_ms == 800:
         assert (r["o"], r["r"], r["w"]) == ("admit", "aged", 800)
@@ -430,18 +431,7 @@ def test_pool_refill_decides_the_wait_bound_once_the_gap_is_known(backend, clock
     r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
     assert (r["o"], r["mw"]) == ("wait", bound_ms)
     clock.advance(0.8)
-    g.write_snapshot(snap)
-    r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
-    if bound_ms == 800:
-        assert (r["o"], r["r"]) == ("admit", "aged")
-        script(g, "release", ticket="t")
-    else:
-        assert (r["o"], r["mw"]) == ("wait", 30000)
-        script(g, "cancel", ticket="t", aged=0)
-    held.release()
-    g.finish_session("a")
-    g.finish_session("new")
-    assert ledger(g) == 0
+    recheck_past_the_bound(g, load, bound_ms, held, snap)
 
 
 def test_snapshot_write_with_a_waiter_outside_the_gap_bound(backend, clock):
