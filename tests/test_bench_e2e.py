@@ -302,6 +302,32 @@ def test_checks_name_each_gate_policy_on_the_console(tmp_path, redis_url, capsys
     assert {c["check"].split(" ")[0] for c in data["checks"]} == {"kvgate", "kvgate[max_wait_s=600]"}
 
 
+@pytest.mark.parametrize("scenario, step", [("default", True), ("long-context", True), ("no-pressure", False)])
+def test_default_policies_add_the_step_sized_gate_where_the_scenario_has_one(tmp_path, redis_url, scenario, step):
+    # without --policies: every kind once, and on the pressure scenarios the full gate again with
+    # the knobs sized to their rollout step (scaled like any knob), checked like the default gate
+    out = tmp_path / "out"
+    rc = bench_cli.main(["--scenario", scenario, "--sessions", "3", "--turns", "2", "--time-scale", "0.01",
+                         "--caps", "2", "--redis", redis_url, "--out", str(out), "--no-progress", "--no-plots"])
+    assert rc == 0
+    data = json.loads((out / "bench.json").read_text())
+    names = [p["policy"] for p in data["policies"]]
+    base = ["none", "cap-2", "admission", "residency", "kvgate"]
+    assert names == (base + [f"kvgate[{bench_cli.STEP_KNOBS}]"] if step else base)
+    assert SCENARIOS[scenario].step_knobs == (bench_cli.STEP_KNOBS if step else None)
+    if step:
+        cfg = data["policies"][-1]["gate"]["config"]
+        assert cfg["max_wait_s"] == pytest.approx(240 * 0.01) and cfg["growth_reserve"] == 2.0
+        assert data["policies"][-2]["gate"]["config"]["max_wait_s"] == pytest.approx(30 * 0.01)
+        assert {c["check"].split(" ")[0] for c in data["checks"]} == {"kvgate", f"kvgate[{bench_cli.STEP_KNOBS}]"}
+    # an explicit list is taken as given
+    rc = bench_cli.main(["--scenario", scenario, "--sessions", "2", "--turns", "2", "--time-scale", "0.01",
+                         "--policies", "none,kvgate", "--redis", redis_url, "--out", str(out),
+                         "--no-progress", "--no-plots"])
+    assert rc == 0
+    assert [p["policy"] for p in json.loads((out / "bench.json").read_text())["policies"]] == ["none", "kvgate"]
+
+
 @pytest.mark.parametrize("scenario", sorted(bench_cli.SCENARIOS))
 def test_every_scenario_runs_its_turns_on_the_simulator(tmp_path, redis_url, scenario):
     # each named scenario, shrunk, on its own simulator profile: every turn must reach the

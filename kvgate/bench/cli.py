@@ -23,7 +23,7 @@ from .report import checks, combine_rounds, render_table, round_lag_warnings, su
 from .runner import EngineEnv, Policy, parse_policies, run_policy, scaled_gate_config
 from .workload import VOCAB_DEFAULT, ToolLatency, Workload, WorkloadSpec, generate, load_trace, parse_range
 
-__all__ = ["add_arguments", "run", "main", "SCENARIOS", "build_parser"]
+__all__ = ["add_arguments", "run", "main", "SCENARIOS", "STEP_KNOBS", "default_policies", "build_parser"]
 
 
 @dataclass(frozen=True)
@@ -43,25 +43,41 @@ class Scenario:
     arrival_spread_s: float = 0.0
     tool: ToolLatency = ToolLatency()
     vocab: int | None = None  # token ids are drawn below this (None: the engine's, capped)
+    # knobs of a second full-gate policy in the default list, sized to this scenario's rollout
+    # step (docs/benchmarks.md#step-sized); None: the default list has `kvgate` alone
+    step_knobs: str | None = None
 
 
 # The CPU vLLM measurements of ENGINES.md: one lognormal, median 0.2 s, p90 1.5 s.
 _CPU_TOOL = ToolLatency(fast_median_s=0.2, slow_median_s=1.5, slow_frac=0.0,
                         sigma=math.log(1.5 / 0.2) / 1.2816, max_s=10.0)
 
+# The knobs docs/knobs.md recommends for a rollout step whose sessions all start at once and
+# live longer than the seeds' 30 s max_wait_s: a bound of the order of a session's life (these
+# sessions live ~100-200 s of model time) and a window reserving for the history's growth.
+STEP_KNOBS = "max_wait_s=240,growth_reserve=2"
+BASE_POLICIES = "none,cap,admission,residency,kvgate"
+
+
+def default_policies(sc: Scenario) -> str:
+    """The policies a run compares when ``--policies`` is not given: every kind once, plus the
+    full gate with the scenario's step-sized knobs where it has them."""
+    return BASE_POLICIES + (f",kvgate[{sc.step_knobs}]" if sc.step_knobs else "")
+
+
 SCENARIOS: dict[str, Scenario] = {
     # Working set several times the pool: the regime kvgate exists for.
     "default": Scenario(
         description="KV pressure: the sessions' final contexts add up to ~3x the KV pool",
         profile="gpu-h100-30b", sessions=40, turns="16-32", first_prompt="1500-2500",
-        tool_result="100-400", output="30-120", time_scale=0.02),
+        tool_result="100-400", output="30-120", time_scale=0.02, step_knobs=STEP_KNOBS),
     # Context sizes of the published agent traces: the thoughtworks agentic-coding-trajectories
     # card gives a p50 deepest prompt of ~24k tokens; these sessions end at ~24k on average.
     # Re-prefill is expensive here (a 16k-token prefill is 1.6 s on the GPU profile).
     "long-context": Scenario(
         description="KV pressure with trace-sized contexts: 16 sessions ending at ~24k tokens (~2.9x the pool)",
         profile="gpu-h100-30b", sessions=16, turns="16-32", first_prompt="6000-10000",
-        tool_result="300-800", output="50-150", time_scale=0.02),
+        tool_result="300-800", output="50-150", time_scale=0.02, step_knobs=STEP_KNOBS),
     # Same session shapes, few enough that every context stays resident.
     "no-pressure": Scenario(
         description="no KV pressure: every session's context fits in the pool at once",
@@ -115,10 +131,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="do not scale the gate's time knobs with --time-scale")
 
     pol = p.add_argument_group("policies")
-    pol.add_argument("--policies", default="none,cap,admission,residency,kvgate",
+    pol.add_argument("--policies",
                      help="comma list of none, cap (sweep --caps), cap-N, turncap-N, admission, residency, "
                           "kvgate; a gate policy may set its own knobs, e.g. 'kvgate[max_wait_s=600]' "
-                          "(default: %(default)s)")
+                          f"(default: {BASE_POLICIES}, and on the default and long-context scenarios "
+                          f"also kvgate[{STEP_KNOBS}], the knobs sized to their rollout step)")
     pol.add_argument("--caps", help="caps to sweep for 'cap', e.g. 4,8,16 (default: derived from the pool: "
                                     "one and two times the sessions whose final context fits)")
     pol.add_argument("--rounds", type=int, default=1,
@@ -451,6 +468,8 @@ def _prepare(args: argparse.Namespace, probe: bool) -> tuple:
                      prefill_metrics=args.sim_prefill_metrics)
         pool = env.pool_tokens
     caps = _parse_caps(args.caps) if args.caps else default_caps(workload, pool)
+    if args.policies is None:
+        args.policies = default_policies(sc)
     policies = parse_policies(args.policies, caps)
     base_cfg = base_gate_config(args)  # validated even when no gate policy runs: bad flags are errors
     for p in policies:  # a policy's own knobs are checked now, not when its turn comes
@@ -478,7 +497,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "list_scenarios", False):
         for name, sc in SCENARIOS.items():
             console.print(f"[bold]{name}[/]: {sc.description} (profile {sc.profile}, {sc.sessions} sessions, "
-                          f"turns {sc.turns}, time scale {sc.time_scale})")
+                          f"turns {sc.turns}, time scale {sc.time_scale}"
+                          + (f"; step-sized knobs {sc.step_knobs}" if sc.step_knobs else "") + ")")
         return 0
     try:
         sc, time_scale, workload, env, pool, caps, policies, base_cfg = _prepare(args, probe=True)
