@@ -326,6 +326,15 @@ def test_default_policies_add_the_step_sized_gate_where_the_scenario_has_one(tmp
                          "--no-progress", "--no-plots"])
     assert rc == 0
     assert [p["policy"] for p in json.loads((out / "bench.json").read_text())["policies"]] == ["none", "kvgate"]
+    # a trace replay's sessions are not the scenario's: the step-sized knobs were not sized for them
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"session": s, "turn": t, "input_tokens": 100 + 50 * t,
+                                         "output_tokens": 10, "gap_s": 0.1}) + "\n"
+                             for s in ("a", "b") for t in range(2)))
+    rc = bench_cli.main(["--scenario", scenario, "--trace", str(trace), "--time-scale", "0.01", "--caps", "2",
+                         "--redis", redis_url, "--out", str(out), "--no-progress", "--no-plots"])
+    assert rc == 0
+    assert [p["policy"] for p in json.loads((out / "bench.json").read_text())["policies"]] == base
 
 
 @pytest.mark.parametrize("scenario", sorted(bench_cli.SCENARIOS))

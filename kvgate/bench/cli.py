@@ -59,10 +59,11 @@ STEP_KNOBS = "max_wait_s=240,growth_reserve=2"
 BASE_POLICIES = "none,cap,admission,residency,kvgate"
 
 
-def default_policies(sc: Scenario) -> str:
+def default_policies(sc: Scenario, trace: bool = False) -> str:
     """The policies a run compares when ``--policies`` is not given: every kind once, plus the
-    full gate with the scenario's step-sized knobs where it has them."""
-    return BASE_POLICIES + (f",kvgate[{sc.step_knobs}]" if sc.step_knobs else "")
+    full gate with the scenario's step-sized knobs where it has them (not for a trace replay,
+    whose sessions are not the scenario's)."""
+    return BASE_POLICIES + (f",kvgate[{sc.step_knobs}]" if sc.step_knobs and not trace else "")
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -135,7 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="comma list of none, cap (sweep --caps), cap-N, turncap-N, admission, residency, "
                           "kvgate; a gate policy may set its own knobs, e.g. 'kvgate[max_wait_s=600]' "
                           f"(default: {BASE_POLICIES}, and on the default and long-context scenarios "
-                          f"also kvgate[{STEP_KNOBS}], the knobs sized to their rollout step)")
+                          f"without --trace also kvgate[{STEP_KNOBS}], the knobs sized to their rollout step)")
     pol.add_argument("--caps", help="caps to sweep for 'cap', e.g. 4,8,16 (default: derived from the pool: "
                                     "one and two times the sessions whose final context fits)")
     pol.add_argument("--rounds", type=int, default=1,
@@ -469,7 +470,7 @@ def _prepare(args: argparse.Namespace, probe: bool) -> tuple:
         pool = env.pool_tokens
     caps = _parse_caps(args.caps) if args.caps else default_caps(workload, pool)
     if args.policies is None:
-        args.policies = default_policies(sc)
+        args.policies = default_policies(sc, trace=bool(args.trace))
     policies = parse_policies(args.policies, caps)
     base_cfg = base_gate_config(args)  # validated even when no gate policy runs: bad flags are errors
     for p in policies:  # a policy's own knobs are checked now, not when its turn comes
