@@ -336,14 +336,18 @@ def priced(states, s_per_token, load=0.1):
     return [dataclasses.replace(e, prefill_s_per_token=s_per_token, prefill_load=load) for e in states]
 
 
-@pytest.mark.parametrize("ratio, load, bound_ms", [(4.0, 0.1, 800), (0.0, 0.1, 30000), (4.0, 0.3, 30000),
-                                                   (4.0, None, 30000)])
-def test_measured_prefill_cost_shortens_the_wait(backend, clock, ratio, load, bound_ms):
-    # 1 ms per uncached token, a 200-token turn: a cold prefill costs 0.2 s, so with
-    # wait_cost_ratio 4 the waiter ages after 0.8 s instead of max_wait_s; not with the ratio
-    # at 0, nor when the engines spend wait_cost_load (0.3) or more of their time prefilling
-    # (a re-prefill then takes time others need), nor when that load is not measured
-    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, wait_cost_ratio=ratio)
+@pytest.mark.parametrize("ratio, load, wcp, bound_ms", [(4.0, 0.1, 0.0, 800), (0.0, 0.1, 0.0, 30000),
+                                                        (4.0, 0.3, 0.0, 30000), (4.0, None, 0.0, 30000),
+                                                        (4.0, 0.1, 8.0, 30000), (4.0, 0.0, 8.0, 30000)])
+def test_measured_prefill_cost_shortens_the_wait(backend, clock, ratio, load, wcp, bound_ms):
+    # the load rule (wait_cost_pool and wait_cost_gap at 0). 1 ms per uncached token, a
+    # 200-token turn: a cold prefill costs 0.2 s, so with wait_cost_ratio 4 the waiter ages
+    # after 0.8 s instead of max_wait_s; not with the ratio at 0, nor when the engines spend
+    # wait_cost_load (0.3) or more of their time prefilling (a re-prefill then takes time
+    # others need), nor when that load is not measured. With the pool rule on (its default,
+    # 8) and no tool gap reported yet, the load does not decide: max_wait_s, even at a load
+    # of 0 (the idle engines a fresh gate's first burst finds)
+    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, wait_cost_ratio=ratio, wait_cost_pool=wcp)
     g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001, load))
     held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
     r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
@@ -383,15 +387,16 @@ def report_gaps(g, ms, n):
 
 @pytest.mark.parametrize("load, gap_ms, n, wcg, bound_ms", [
     (0.5, 400, 8, 1.0, 800), (0.5, 100, 8, 1.0, 30000), (0.5, 400, 7, 1.0, 30000), (0.5, 400, 8, 0.0, 30000),
-    (0.5, 100, 8, 2.0, 800), (0.1, 50, 8, 2.0, 30000), (0.1, 50, 7, 2.0, 800), (0.1, 50, 8, 0.0, 800),
+    (0.5, 100, 8, 2.0, 800), (0.1, 50, 8, 2.0, 30000), (0.1, 50, 7, 2.0, 30000), (0.1, 50, 8, 0.0, 800),
     (0.5, 400, 8, None, 30000), (0.1, 50, 8, None, 800)])
 def test_tool_gap_decides_the_wait_bound_once_known(backend, clock, load, gap_ms, n, wcg, bound_ms):
     # a cold prefill of this 200-token turn takes 0.2 s (1 ms per token). Once 8 gaps were
     # reported, the typical gap decides: no longer than wait_cost_gap x the time sessions
     # spend away between turns, the waiter ages after 4 x 0.2 s, whatever the prefill load
     # (0.5, above wait_cost_load); longer, it keeps max_wait_s, whatever the load (0.1, below:
-    # sessions back every 50 ms keep the engine busy re-prefilling). Before 8 gaps, or with
-    # wait_cost_gap 0 (its default: None here), the load decides as before. The pool rule,
+    # sessions back every 50 ms keep the engine busy re-prefilling). Before 8 gaps it keeps
+    # max_wait_s whatever the load (a load on record then predates the waiting turns); with
+    # wait_cost_gap 0 (its default: None here) the load decides as before. The pool rule,
     # on by default, is off here: the next test covers it and its order with this one
     knob = {} if wcg is None else {"wait_cost_gap": wcg}
     g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, wait_cost_ratio=4.0, wait_cost_pool=0.0, **knob)
@@ -410,8 +415,8 @@ def test_tool_gap_decides_the_wait_bound_once_known(backend, clock, load, gap_ms
     (1, 400, 8, 3.0, 0.0, 0.5, 800),     # refill 1 s <= 3 x 0.4 s: time to spare, whatever the load
     (1, 300, 8, 3.0, 0.0, 0.1, 30000),   # refill 1 s > 3 x 0.3 s: keep max_wait_s, whatever the load
     (2, 200, 8, 3.0, 0.0, 0.5, 800),     # two engines refill their halves in parallel: 0.5 s <= 0.6 s
-    (1, 400, 7, 3.0, 0.0, 0.5, 30000),   # before 8 gaps the load decides (0.5: busy)
-    (1, 400, 7, 3.0, 0.0, 0.1, 800),     # ... (0.1: time to spare)
+    (1, 400, 7, 3.0, 0.0, 0.5, 30000),   # before 8 gaps: max_wait_s, whatever the load (0.5: busy)
+    (1, 400, 7, 3.0, 0.0, 0.0, 30000),   # ... (0.0: the idle engines before the first burst)
     (1, 400, 8, 0.0, 0.0, 0.5, 30000),   # wait_cost_pool 0: the load decides
     (1, 300, 8, 3.0, 4.0, 0.5, 800),     # wait_cost_gap, when set, decides first (0.2 s <= 1.2 s)
     (1, 400, 8, 3.0, 0.4, 0.5, 30000),   # ... and says no here (0.2 s > 0.4 x 0.4 s), where the pool would say yes
@@ -542,8 +547,9 @@ def test_snapshot_keeps_the_slowest_engines_prefill_cost(backend, clock):
 
 def test_client_rechecks_at_the_cost_bound_not_the_poll_interval(backend):
     # wait_poll_s 30: a client that slept a poll interval would wait 30 s; the script's bound
-    # (0.2 s) tells it when to re-check, and the turn enters aged long before the poll
-    g = mkgate(backend, headroom=1.0, max_wait_s=60, wait_poll_s=30, wait_cost_ratio=1.0)
+    # (0.2 s) tells it when to re-check, and the turn enters aged long before the poll (the
+    # load rule decides: no tool gap is reported here)
+    g = mkgate(backend, headroom=1.0, max_wait_s=60, wait_poll_s=30, wait_cost_ratio=1.0, wait_cost_pool=0.0)
     g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001))
     held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
     lease = g.acquire("new", prompt_tokens=200, max_new_tokens=0)
@@ -559,7 +565,8 @@ def test_client_rechecks_at_the_cost_bound_not_the_poll_interval(backend):
 def test_new_prefill_measurement_wakes_waiters_past_their_bound(backend):
     # the turn starts waiting before any engine measured its prefill (bound: max_wait_s 60,
     # next poll in 30 s); the measurement arrives, the snapshot write tells it to re-check
-    g = mkgate(backend, headroom=1.0, max_wait_s=60, wait_poll_s=30, wait_cost_ratio=1.0)
+    # (the load rule decides: no tool gap is reported here)
+    g = mkgate(backend, headroom=1.0, max_wait_s=60, wait_poll_s=30, wait_cost_ratio=1.0, wait_cost_pool=0.0)
     g.write_snapshot(engines(cap=1000, usage=0.1))
     held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
     out = {}

@@ -165,19 +165,25 @@ end
 -- wait_cost_gap set, a cold prefill of this turn takes at most wait_cost_gap x that gap;
 -- else (the default) refilling each engine's share of the pool cold takes at most
 -- wait_cost_pool x that gap (whatever the gate protects, the engines rebuild within a few of
--- the sessions' tool calls, so holding turns back buys little). Until a gap is known, or
--- with both knobs at 0, the prefill load is below wait_cost_load
+-- the sessions' tool calls, so holding turns back buys little). With either knob on, no time
+-- to spare until a gap is known: the prefill load then on record was measured before the
+-- turns now waiting arrived (a fresh gate's first burst after idle engines reads 0) and says
+-- nothing about the engines under them. With both knobs at 0, the prefill load is below
+-- wait_cost_load
 local function cost_wait_ms(snap, need)
   if num(P.wcr, 0) <= 0 or snap.pst <= 0 then return nil end
   local cold = snap.pst * need
   local wcg, wcp = num(P.wcg, 0), num(P.wcp, 0)
-  local g = (wcg > 0 or wcp > 0) and tool_gap_s() or nil
   local spare
-  if g ~= nil and wcg > 0 then
-    spare = cold <= wcg * g
-  elseif g ~= nil then
-    -- the engines refill their whole share of the pool cold within wcp typical tool gaps
-    spare = snap.pst * snap.ceiling / math.max(1, snap.nh) <= wcp * g
+  if wcg > 0 or wcp > 0 then
+    local g = tool_gap_s()
+    if g == nil then return nil end
+    if wcg > 0 then
+      spare = cold <= wcg * g
+    else
+      -- the engines refill their whole share of the pool cold within wcp typical tool gaps
+      spare = snap.pst * snap.ceiling / math.max(1, snap.nh) <= wcp * g
+    end
   else
     spare = snap.pl >= 0 and snap.pl < num(P.wcl, 0.3)
   end
