@@ -74,9 +74,9 @@ def render_status(status: Mapping, *, leader: str | None = None, title: str | No
         load = s.get("prefill_load")
         head.add_row("prefill cost", f"{float(s['prefill_s_per_token']) * 1e6:.1f} us/token (slowest engine)"
                      + ("" if load is None else f", load {float(load):.2f} (busiest)"))
-    if s.get("tool_gap_s") is not None:
-        head.add_row("tool gap", f"{float(s['tool_gap_s']):.3f} s (typical time between a session's turns)")
     refill, gap = s.get("pool_refill_s"), s.get("tool_gap_s")
+    if gap is not None:
+        head.add_row("tool gap", f"{float(gap):.3f} s (typical time between a session's turns)")
     if refill is not None:
         head.add_row("pool refill", f"{float(refill):.3f} s cold per engine"
                      + (f", {float(refill) / float(gap):.1f} tool gaps (waits shorten at or below "

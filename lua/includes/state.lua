@@ -6,14 +6,15 @@
     claim_ms (how long a FIFO grant waits to be claimed), reap (max items per reap pass).
 ]]
 
--- the latest snapshot: fresh (bool), usage (0..1), capacity (tokens), ceiling (tokens)
+-- the latest snapshot: fresh (bool), usage (0..1), capacity (tokens), ceiling (tokens),
+-- nh (healthy engines), pst (prefill s per uncached token), pl (prefill load); -1: not measured
 local function snapshot()
   local v = redis.call("HMGET", K.snapshot, "ts_ms", "usage", "capacity", "n_healthy",
     "prefill_s_per_token", "prefill_load")
   local ts = tonumber(v[1])
   local s = { fresh = false, usage = num(v[2], 0), capacity = num(v[3], 0), ceiling = 0,
     nh = num(v[4], 0), pst = num(v[5], -1), pl = num(v[6], -1) }
-  if ts ~= nil and num(v[4], 0) > 0 and (NOW - ts) <= num(P.stale_ms, 6000) then
+  if ts ~= nil and s.nh > 0 and (NOW - ts) <= num(P.stale_ms, 6000) then
     s.fresh = true
   end
   s.ceiling = math.floor(s.capacity * num(P.headroom, 0.9))
