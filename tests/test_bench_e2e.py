@@ -302,7 +302,8 @@ def test_checks_name_each_gate_policy_on_the_console(tmp_path, redis_url, capsys
     assert {c["check"].split(" ")[0] for c in data["checks"]} == {"kvgate", "kvgate[max_wait_s=600]"}
 
 
-@pytest.mark.parametrize("scenario, step", [("default", True), ("long-context", True), ("no-pressure", False)])
+@pytest.mark.parametrize("scenario, step", [("default", True), ("long-context", True), ("no-pressure", False),
+                                            ("cpu-heavy", True), ("cpu-tiny", False)])
 def test_default_policies_add_the_step_sized_gate_where_the_scenario_has_one(tmp_path, redis_url, scenario, step):
     # without --policies: every kind once, and on the pressure scenarios the full gate again with
     # the knobs sized to their rollout step (scaled like any knob), checked like the default gate

@@ -53,8 +53,10 @@ _CPU_TOOL = ToolLatency(fast_median_s=0.2, slow_median_s=1.5, slow_frac=0.0,
                         sigma=math.log(1.5 / 0.2) / 1.2816, max_s=10.0)
 
 # The knobs docs/knobs.md recommends for a rollout step whose sessions all start at once and
-# live longer than the seeds' 30 s max_wait_s: a bound of the order of a session's life (these
-# sessions live ~100-200 s of model time) and a window reserving for the history's growth.
+# must wait longer than the seeds' 30 s max_wait_s for a place: a bound of the order of a
+# session's life (the default scenario's sessions live ~100-200 s of model time; on slow boxes
+# the cpu-heavy ones wait ~60 s behind the best cap's first waves) and a window reserving for
+# the history's growth.
 STEP_KNOBS = "max_wait_s=240,growth_reserve=2"
 BASE_POLICIES = "none,cap,admission,residency,kvgate"
 
@@ -92,7 +94,7 @@ SCENARIOS: dict[str, Scenario] = {
     "cpu-heavy": Scenario(
         description="12 sessions x 12 turns on an 80-block (2,560-token) cache, heavier CPU model profile",
         profile="cpu-vllm-heavy", sessions=12, turns="12", first_prompt="250-350", tool_result="30-60",
-        output="20-30", time_scale=1.0, tool=_CPU_TOOL, vocab=1000),
+        output="20-30", time_scale=1.0, tool=_CPU_TOOL, vocab=1000, step_knobs=STEP_KNOBS),
 }
 
 
@@ -135,7 +137,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pol.add_argument("--policies",
                      help="comma list of none, cap (sweep --caps), cap-N, turncap-N, admission, residency, "
                           "kvgate; a gate policy may set its own knobs, e.g. 'kvgate[max_wait_s=600]' "
-                          f"(default: {BASE_POLICIES}, and on the default and long-context scenarios "
+                          f"(default: {BASE_POLICIES}, and on the default, long-context and cpu-heavy scenarios "
                           f"without --trace also kvgate[{STEP_KNOBS}], the knobs sized to their rollout step)")
     pol.add_argument("--caps", help="caps to sweep for 'cap', e.g. 4,8,16 (default: derived from the pool: "
                                     "one and two times the sessions whose final context fits)")
