@@ -211,3 +211,28 @@ def test_reprefill_is_attributed_to_the_admission_that_paid_for_it():
     res[0] = PolicyResult(policy=Policy("none", "none"), wall_s=1.0, turns=blind, counters=Counters(0, 0),
                           samples=[], usage_samples=[])
     assert summarize(res, _workload())["policies"][0]["reprefill_by_admission"] is None
+
+
+def test_the_step_ends_with_its_last_session_and_the_report_says_how_it_spent_its_time(capsys):
+    from kvgate.bench.report import render_table, straggler
+
+    # two sessions: "fast" ends at 3.0 s; "slow" waits 1.5 s at the gate before its turn 1,
+    # spends 0.75 s in the engine over three turns and ends the step at 6.0 s
+    def rec(session, turn, ready, start, done):
+        return TurnRecord(session=session, turn=turn, ready_s=ready, start_s=start, done_s=done,
+                          prompt_tokens=100, cached_tokens=50, output_tokens=5, outcome="admit", reason="open")
+    turns = [rec("slow", 1, 4.0, 5.5, 5.75), rec("fast", 0, 0.0, 0.0, 1.0), rec("fast", 1, 2.0, 2.0, 3.0),
+             rec("slow", 0, 0.0, 0.0, 0.25), rec("slow", 2, 5.75, 5.75, 6.0)]
+    gate = PolicyResult(policy=Policy("kvgate", "gate", admission=True, residency=True), wall_s=6.0,
+                        turns=turns, counters=Counters(0, 0), samples=[], usage_samples=[])
+    summary = summarize([_result(Policy("none", "none"), 5.0, 0, 0), gate], _workload())
+    rows = {x["policy"]: x for x in summary["policies"]}
+    last = straggler(rows["kvgate"])
+    assert last["session"] == "slow" and last["end_s"] == 6.0 and last["turns_done"] == 3
+    assert (last["waited_s"], last["engine_s"], last["other_s"]) == (1.5, 0.75, 3.75)
+    assert straggler({"sessions": []}) is None and straggler({}) is None
+    render_table(summary)
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert ("step ended by slow (kvgate): at 6.00 s after 3 turns; gate waits 1.50 s, engine 0.75 s, "
+            "tools and the rest 3.75 s") in out
+    assert "step ended by s0-0 (none)" in out

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 from .runner import PolicyResult
 from .workload import Workload
 
-__all__ = ["summarize", "combine_rounds", "render_table", "write_json", "write_plots", "checks", "lag_warnings",
+__all__ = ["summarize", "combine_rounds", "render_table", "write_json", "write_plots", "checks", "lag_warnings", "straggler",
            "round_lag_warnings"]
 
 
@@ -160,6 +160,14 @@ def _session_rows(turns: Sequence[Any], n_turns: dict[str, int]) -> list[dict]:
                                                       if t.outcome or t.reason).items()))})
     out.sort(key=lambda x: x["end_s"])
     return out
+
+
+def straggler(policy_row: dict) -> dict | None:
+    """The session that finished last (the step's wall-clock ends with it), from a policy row's
+    ``sessions`` (ordered by end); None without session rows. Its split says what made the step
+    long: gate waits (the gate held the straggler back), engine time, or its own tool calls."""
+    rows = policy_row.get("sessions") or []
+    return rows[-1] if rows else None
 
 
 def round_lag_warnings(summaries: Sequence[dict], time_scale: float) -> list[str]:
@@ -350,6 +358,12 @@ def render_table(summary: dict, console: Any = None, scenario: str = "") -> None
                 "x none " + ", ".join(_f(r["ratio_to_none"]) for r in rounds) + "; "
             console.print(f"rounds, {escape(x['policy'])}: {ratios}wall "
                           + ", ".join(_f(r["wall_s"]) for r in rounds) + " s (the table: medians)")
+    for x in summary["policies"]:
+        last = straggler(x)
+        if last:
+            console.print(f"step ended by {escape(last['session'])} ({escape(x['policy'])}): at "
+                          f"{last['end_s']:.2f} s after {last['turns_done']} turns; gate waits {last['waited_s']:.2f} s, "
+                          f"engine {last['engine_s']:.2f} s, tools and the rest {last['other_s']:.2f} s")
     for x in summary["policies"]:
         iw = x.get("idle_while_waiting")
         if x["kind"] == "gate" and iw:
