@@ -361,9 +361,10 @@ def render_table(summary: dict, console: Any = None, scenario: str = "") -> None
     for x in summary["policies"]:
         last = straggler(x)
         if last:
-            console.print(f"step ended by {escape(last['session'])} ({escape(x['policy'])}): at "
-                          f"{last['end_s']:.2f} s after {last['turns_done']} turns; gate waits {last['waited_s']:.2f} s, "
-                          f"engine {last['engine_s']:.2f} s, tools and the rest {last['other_s']:.2f} s")
+            console.print(f"step ended by {escape(last['session'])} ({escape(x['policy'])}) at {last['end_s']:.2f} s: "
+                          f"first turn ready at {last['first_ready_s']:.2f} s, then {last['turns_done']} turns: "
+                          f"gate waits {last['waited_s']:.2f} s, engine {last['engine_s']:.2f} s, "
+                          f"tools and the rest {last['other_s']:.2f} s")
     for x in summary["policies"]:
         iw = x.get("idle_while_waiting")
         if x["kind"] == "gate" and iw:
