@@ -11,8 +11,8 @@ from typing import Any, Sequence
 from .runner import PolicyResult
 from .workload import Workload
 
-__all__ = ["summarize", "combine_rounds", "render_table", "write_json", "write_plots", "checks", "lag_warnings", "straggler",
-           "round_lag_warnings"]
+__all__ = ["summarize", "combine_rounds", "render_table", "write_json", "write_plots", "checks", "lag_warnings",
+           "round_lag_warnings", "straggler"]
 
 
 def _pct(xs: Sequence[float], p: float) -> float | None:
