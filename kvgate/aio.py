@@ -143,7 +143,7 @@ class AsyncGate(GateBase):
 
     # -- turns -----------------------------------------------------------------------------
     async def acquire(self, session_id: str, *, prompt_ids: Sequence[int] | None = None,
-                      prompt_tokens: int | None = None, max_new_tokens: int = None, protected: bool = False,
+                      prompt_tokens: int | None = None, max_new_tokens: int | None = None, protected: bool = False,
                       scope: str = "train", retain_session: bool = True, abort_event: Any = None,
                       turn_index: int | None = None, timeout_s: float | None = None) -> AsyncLease:
         """See ``Gate.acquire``. Cancelling the awaiting task removes its waiter atomically

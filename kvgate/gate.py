@@ -154,7 +154,7 @@ class Gate(GateBase):
 
     # -- turns -----------------------------------------------------------------------------
     def acquire(self, session_id: str, *, prompt_ids: Sequence[int] | None = None,
-                prompt_tokens: int | None = None, max_new_tokens: int = None, protected: bool = False,
+                prompt_tokens: int | None = None, max_new_tokens: int | None = None, protected: bool = False,
                 scope: str = "train", retain_session: bool = True, abort_event: Any = None,
                 turn_index: int | None = None, timeout_s: float | None = None) -> Lease:
         """Decide one attempt of a turn; blocks while it waits (bounded by ``max_wait_s``).
