@@ -234,5 +234,6 @@ def test_the_step_ends_with_its_last_session_and_the_report_says_how_it_spent_it
     render_table(summary)
     out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
     assert ("step ended by slow (kvgate) at 6.00 s: first turn ready at 0.00 s, then 3 turns: gate waits 1.50 s, "
-            "engine 0.75 s, tools and the rest 3.75 s") in out
+            "engine 0.75 s, tools and the rest 3.75 s; admitted admit/open 3") in out
     assert "step ended by s0-0 (none) at 2.30 s: first turn ready at 0.00 s" in out
+    assert "admitted" not in out.split("step ended by s0-0 (none)")[1].split("step ended by")[0]  # ungated

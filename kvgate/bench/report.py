@@ -361,10 +361,14 @@ def render_table(summary: dict, console: Any = None, scenario: str = "") -> None
     for x in summary["policies"]:
         last = straggler(x)
         if last:
+            # how its turns got in: under a gate, more than one `admit/open` (or any `admit/aged`)
+            # means the session lost its window on the way and waited for a place again
+            adm = sorted((last.get("admissions") or {}).items(), key=lambda kv: (-kv[1], kv[0]))
+            how = ("; admitted " + ", ".join(f"{k} {n}" for k, n in adm)) if adm else ""
             console.print(f"step ended by {escape(last['session'])} ({escape(x['policy'])}) at {last['end_s']:.2f} s: "
                           f"first turn ready at {last['first_ready_s']:.2f} s, then {last['turns_done']} turns: "
                           f"gate waits {last['waited_s']:.2f} s, engine {last['engine_s']:.2f} s, "
-                          f"tools and the rest {last['other_s']:.2f} s")
+                          f"tools and the rest {last['other_s']:.2f} s{escape(how)}")
     for x in summary["policies"]:
         iw = x.get("idle_while_waiting")
         if x["kind"] == "gate" and iw:
