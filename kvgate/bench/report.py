@@ -162,6 +162,12 @@ def _session_rows(turns: Sequence[Any], n_turns: dict[str, int]) -> list[dict]:
     return out
 
 
+def _counts_text(items: Any) -> str:
+    """``admit/open 5, admit/aged 2``: (name, count) pairs as the report prints them, in the
+    given order; empty for none."""
+    return ", ".join(f"{k} {n}" for k, n in items)
+
+
 def straggler(policy_row: dict) -> dict | None:
     """The session that finished last (the step's wall-clock ends with it), from a policy row's
     ``sessions`` (ordered by end); None without session rows. Its split says what made the step
@@ -337,7 +343,7 @@ def render_table(summary: dict, console: Any = None, scenario: str = "") -> None
         name = escape(x["policy"]) + (" *" if x["best_cap"] else "")  # [..] is rich markup otherwise
         if x["errors"]:
             name += f" ({x['errors']} err)"
-        adm = ", ".join(f"{k} {v}" for k, v in x["admissions"].items()) or "-"
+        adm = _counts_text(x["admissions"].items()) or "-"
         t.add_row(name, _f(x["wall_s"]), _f(x["ratio_to_none"]), _f(x["hit_rate"], "{:.3f}"),
                   _tok(x["uncached_tokens"]), _tok(x["reprefill_tokens"]), _f(x["latency_p50_s"], "{:.3f}"),
                   _f(x["latency_p99_s"], "{:.3f}"), _f(x["late_latency_p50_s"], "{:.3f}"),
@@ -363,8 +369,8 @@ def render_table(summary: dict, console: Any = None, scenario: str = "") -> None
         if last:
             # how its turns got in: under a gate, more than one `admit/open` (or any `admit/aged`)
             # means the session lost its window on the way and waited for a place again
-            adm = sorted((last.get("admissions") or {}).items(), key=lambda kv: (-kv[1], kv[0]))
-            how = ("; admitted " + ", ".join(f"{k} {n}" for k, n in adm)) if adm else ""
+            adm = _counts_text(sorted((last.get("admissions") or {}).items(), key=lambda kv: (-kv[1], kv[0])))
+            how = f"; admitted {adm}" if adm else ""
             console.print(f"step ended by {escape(last['session'])} ({escape(x['policy'])}) at {last['end_s']:.2f} s: "
                           f"first turn ready at {last['first_ready_s']:.2f} s, then {last['turns_done']} turns: "
                           f"gate waits {last['waited_s']:.2f} s, engine {last['engine_s']:.2f} s, "
