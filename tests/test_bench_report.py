@@ -213,6 +213,32 @@ def test_reprefill_is_attributed_to_the_admission_that_paid_for_it():
     assert summarize(res, _workload())["policies"][0]["reprefill_by_admission"] is None
 
 
+def test_a_failed_hit_rate_check_says_what_aged_turns_re_prefilled():
+    def turn(sid, i, prompt, cached, reason):
+        return TurnRecord(session=sid, turn=i, ready_s=i, start_s=i, done_s=i + 0.1, prompt_tokens=prompt,
+                          cached_tokens=cached, output_tokens=10, outcome="admit", reason=reason)
+
+    def run(name, turns, hits):
+        return PolicyResult(policy=Policy(name, "gate", admission=True, residency=True), wall_s=1.0,
+                            turns=turns, counters=Counters(hits, 100), samples=[], usage_samples=[])
+
+    missed = [turn("a", 0, 100, 0, "open"), turn("a", 1, 150, 96, "reserved_session"),  # 14 re-prefilled
+              turn("a", 2, 200, 0, "aged"), turn("b", 0, 50, 0, "open"),                 # 160 (aged)
+              turn("b", 1, 100, 0, "aged")]                                              # 60 (aged)
+    # same hit rate, but the only re-prefill came from a window whose blocks the engine evicted
+    no_aged = [turn("a", 0, 100, 0, "open"), turn("a", 1, 150, 96, "reserved_session")]
+    s = summarize([PolicyResult(policy=Policy("none", "none"), wall_s=2.0, turns=[], counters=Counters(0, 100),
+                                samples=[], usage_samples=[]),
+                   run("kvgate", missed, 85), run("kvgate[headroom=0.5]", no_aged, 85),
+                   run("kvgate[max_wait_s=240]", missed, 95)], _workload())
+    got = {name: (ok, detail) for name, ok, detail in checks(s, "pressure")
+           if name.endswith("hit rate >= 0.9")}
+    assert got["kvgate prefix-cache hit rate >= 0.9"] == (
+        False, "0.850; 2 aged turns re-prefilled 220 of its 234 (why: docs/benchmarks.md#max-wait-bound)")
+    assert got["kvgate[headroom=0.5] prefix-cache hit rate >= 0.9"] == (False, "0.850")  # nothing aged
+    assert got["kvgate[max_wait_s=240] prefix-cache hit rate >= 0.9"] == (True, "0.950")  # passed: no why
+
+
 def test_the_step_ends_with_its_last_session_and_the_report_says_how_it_spent_its_time(capsys):
     from kvgate.bench.report import render_table, straggler
 

@@ -281,8 +281,23 @@ def checks(summary: dict, scenario: str) -> list[tuple[str, bool | None, str]]:
                         f"{gate['wall_s']:.2f}s vs {bc['wall_s']:.2f}s"))
         hr = gate["hit_rate"]
         out.append((f"{name} prefix-cache hit rate >= 0.9", hr is not None and hr >= 0.9,
-                    f"{hr:.3f}" if hr is not None else "n/a"))
+                    (f"{hr:.3f}" + (_aged_reprefill(gate) if hr < 0.9 else "")) if hr is not None else "n/a"))
     return out
+
+
+def _aged_reprefill(gate: dict) -> str:
+    """What a failed hit-rate check can say about itself from the run's own data: the
+    re-prefill that aged turns paid (waits the gate ended, by ``max_wait_s`` or a wait-cost
+    rule, whose sessions had lost their blocks), against the gate's whole re-prefill. Empty
+    when no aged turn re-prefilled anything, or the engines reported no ``cached_tokens``."""
+    by = gate.get("reprefill_by_admission") or {}
+    aged = [v for k, v in by.items() if k.endswith("/aged")]
+    tokens = sum(v["reprefill_tokens"] for v in aged)
+    if not tokens:
+        return ""
+    total = sum(v["reprefill_tokens"] for v in by.values())
+    return (f"; {sum(v['turns'] for v in aged)} aged turns re-prefilled {_tok(tokens)} of its {_tok(total)} "
+            "(why: docs/benchmarks.md#max-wait-bound)")
 
 
 #: the median event-loop lateness above which a run is reported as short of CPU: on the
