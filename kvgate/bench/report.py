@@ -280,8 +280,9 @@ def checks(summary: dict, scenario: str) -> list[tuple[str, bool | None, str]]:
             out.append((f"{name} beats the best fixed cap ({bc['policy']})", gate["wall_s"] < bc["wall_s"],
                         f"{gate['wall_s']:.2f}s vs {bc['wall_s']:.2f}s"))
         hr = gate["hit_rate"]
-        out.append((f"{name} prefix-cache hit rate >= 0.9", hr is not None and hr >= 0.9,
-                    (f"{hr:.3f}" + (_aged_reprefill(gate) if hr < 0.9 else "")) if hr is not None else "n/a"))
+        ok = hr is not None and hr >= 0.9
+        detail = "n/a" if hr is None else f"{hr:.3f}" + ("" if ok else _aged_reprefill(gate))
+        out.append((f"{name} prefix-cache hit rate >= 0.9", ok, detail))
     return out
 
 
