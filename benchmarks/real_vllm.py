@@ -9,10 +9,32 @@ between policies through ``POST /reset_prefix_cache``), and stops the server by 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 from kvgate.integrations.vllm_testing import DEFAULT_VLLM_PYTHON, start_server, write_model
+
+# --cpu-isa: what an older CPU lacks, hidden from PyTorch and vLLM (cpu_isa/sitecustomize.py) and
+# capped in oneDNN and ATen. Why: docs/benchmarks.md#cpu-isa.
+CPU_ISA = {
+    "native": ("", {}),
+    "avx512_bf16": ("amx_*", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}),
+    "avx512": ("amx_*,avx512_bf16,avx512_fp16,avx512_vnni,avx_vnni*", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}),
+    "avx2": ("amx_*,avx512*,avx_vnni*", {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}),
+}
+
+
+def isa_env(isa: str) -> dict[str, str]:
+    """Environment for a vLLM server that should see only ``isa`` of this CPU (empty for native)."""
+    if isa not in CPU_ISA:
+        raise ValueError(f"--cpu-isa must be one of {', '.join(CPU_ISA)}, got {isa!r}")
+    mask, caps = CPU_ISA[isa]
+    if not mask:
+        return {}
+    shim = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_isa")
+    path = os.pathsep.join(x for x in (shim, os.environ.get("PYTHONPATH", "")) if x)
+    return {"PYTHONPATH": path, "KVGATE_CPU_MASK": mask, **caps}
 
 
 def main() -> int:
@@ -23,8 +45,16 @@ def main() -> int:
     p.add_argument("--num-blocks", type=int, default=80)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--out", default=None)
+    p.add_argument("--cpu-isa", choices=tuple(CPU_ISA), default=os.environ.get("CPU_ISA", "native"),
+                   help="emulate an older CPU for the server: hide AMX (avx512_bf16), also AVX512-BF16 "
+                        "(avx512), or all of AVX-512 (avx2); default native, or $CPU_ISA")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="extra kvgate bench arguments after --")
     a = p.parse_args()
+    try:
+        server_env = {"VLLM_SERVER_DEV_MODE": "1", **isa_env(a.cpu_isa)}
+    except ValueError as e:  # $CPU_ISA is not checked by argparse's choices
+        print(f"real_vllm.py: error: {e}", file=sys.stderr)
+        return 2
     if not os.path.exists(a.venv_python):
         print(f"vLLM python not found: {a.venv_python} (build it with scripts/setup-vllm-cpu.sh)", file=sys.stderr)
         return 2
@@ -40,13 +70,29 @@ def main() -> int:
     heavy = a.model == "heavy"
     model_dir = write_model(heavy=heavy)
     srv = start_server(model_dir, heavy=heavy, num_blocks=a.num_blocks, block_size=a.block_size,
-                       python=a.venv_python, env={"VLLM_SERVER_DEV_MODE": "1"}, wait_s=300)
+                       python=a.venv_python, env=server_env, wait_s=300)
     try:
         argv[1] = srv.url
-        print("kvgate bench " + " ".join(argv), flush=True)
-        return bench_cli.main(argv)
+        isa = "" if a.cpu_isa == "native" else f"  (server with --cpu-isa {a.cpu_isa}: an emulated older CPU)"
+        print("kvgate bench " + " ".join(argv) + isa, flush=True)
+        rc = bench_cli.main(argv)
     finally:
         srv.stop()
+    note_server(os.path.join(bench_cli.build_parser().parse_args(argv).out, "bench.json"), {
+        "model": a.model, "num_blocks": a.num_blocks, "block_size": a.block_size, "cpu_isa": a.cpu_isa})
+    return rc
+
+
+def note_server(path: str, server: dict) -> None:
+    """Record the server this wrapper started in the bench's JSON (the bench sees only its URL)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return  # the bench failed before writing it; its own error says why
+    doc["vllm_server"] = server
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
 
 
 if __name__ == "__main__":

