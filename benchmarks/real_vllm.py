@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from kvgate.integrations.vllm_testing import DEFAULT_VLLM_PYTHON, start_server, write_model
 
@@ -75,17 +76,23 @@ def main() -> int:
         argv[1] = srv.url
         isa = "" if a.cpu_isa == "native" else f"  (server with --cpu-isa {a.cpu_isa}: an emulated older CPU)"
         print("kvgate bench " + " ".join(argv) + isa, flush=True)
+        started = time.time()
         rc = bench_cli.main(argv)
     finally:
         srv.stop()
     note_server(os.path.join(bench_cli.build_parser().parse_args(argv).out, "bench.json"), {
-        "model": a.model, "num_blocks": a.num_blocks, "block_size": a.block_size, "cpu_isa": a.cpu_isa})
+        "model": a.model, "num_blocks": a.num_blocks, "block_size": a.block_size, "cpu_isa": a.cpu_isa},
+        written_after=started)
     return rc
 
 
-def note_server(path: str, server: dict) -> None:
-    """Record the server this wrapper started in the bench's JSON (the bench sees only its URL)."""
+def note_server(path: str, server: dict, written_after: float = 0.0) -> None:
+    """Record the server this wrapper started in the bench's JSON (the bench sees only its URL).
+    A file older than ``written_after`` is an earlier run's, left there when this one failed
+    before writing its own: it is not touched."""
     try:
+        if os.path.getmtime(path) < written_after:
+            return
         with open(path) as f:
             doc = json.load(f)
     except (OSError, ValueError):

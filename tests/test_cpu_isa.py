@@ -153,3 +153,7 @@ def test_the_wrapper_records_its_server_in_bench_json(tmp_path):
     rv.note_server(str(path), {"model": "heavy", "cpu_isa": "avx2"})
     doc = json.loads(path.read_text())
     assert doc["vllm_server"] == {"model": "heavy", "cpu_isa": "avx2"} and doc["argv"] == ["--engine", "http://x"]
+    # an earlier run's file, left in --out when this run failed before writing: not relabelled
+    old = path.stat().st_mtime
+    rv.note_server(str(path), {"cpu_isa": "native"}, written_after=old + 60)
+    assert json.loads(path.read_text())["vllm_server"]["cpu_isa"] == "avx2"
