@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 
@@ -57,11 +58,10 @@ def main() -> int:
                 print(r.stderr, file=sys.stderr)
                 return 1
             times[lv].append(float(r.stdout.strip().splitlines()[-1]))
-    best = sorted(times["native"])[len(times["native"]) // 2]
+    med = {lv: statistics.median_high(t) for lv, t in times.items()}
     print(f"bf16 linear {m}x{k} -> {n}, median of {a.rounds} rounds x {a.reps} calls, {os.cpu_count()} CPUs")
     for lv in LEVELS:
-        med = sorted(times[lv])[len(times[lv]) // 2]
-        print(f"  ONEDNN_MAX_CPU_ISA={lv:<17} {med * 1e3:8.3f} ms  {med / best:6.1f}x")
+        print(f"  ONEDNN_MAX_CPU_ISA={lv:<17} {med[lv] * 1e3:8.3f} ms  {med[lv] / med['native']:6.1f}x")
     return 0
 
 
