@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from kvgate.bench.host import describe as describe_host
 from kvgate.integrations.vllm_testing import DEFAULT_VLLM_PYTHON, start_server, write_model
 
 # --cpu-isa: what an older CPU lacks, hidden from PyTorch and vLLM (cpu_isa/sitecustomize.py) and
@@ -36,6 +37,21 @@ def isa_env(isa: str) -> dict[str, str]:
     shim = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_isa")
     path = os.pathsep.join(x for x in (shim, os.environ.get("PYTHONPATH", "")) if x)
     return {"PYTHONPATH": path, "KVGATE_CPU_MASK": mask, **caps}
+
+
+# low to high, as kvgate.bench.host names them ("native" is the host's own level)
+ISA_ORDER = ("avx2", "avx512", "avx512_bf16", "amx")
+
+
+def effective_isa(cpu_isa: str, host_isa: str) -> str:
+    """The matrix level the server computed at: the host's own under ``native``, else the
+    lower of the emulated level and the host's (hiding AMX on an AVX2 box changes nothing).
+    Where the host's level is not known, the emulated one (an upper bound)."""
+    if cpu_isa == "native":
+        return host_isa
+    if host_isa in ISA_ORDER:
+        return min(cpu_isa, host_isa, key=ISA_ORDER.index)
+    return cpu_isa
 
 
 def main() -> int:
@@ -81,7 +97,8 @@ def main() -> int:
     finally:
         srv.stop()
     note_server(os.path.join(bench_cli.build_parser().parse_args(argv).out, "bench.json"), {
-        "model": a.model, "num_blocks": a.num_blocks, "block_size": a.block_size, "cpu_isa": a.cpu_isa},
+        "model": a.model, "num_blocks": a.num_blocks, "block_size": a.block_size, "cpu_isa": a.cpu_isa,
+        "matrix_isa": effective_isa(a.cpu_isa, describe_host()["matrix_isa"])},
         written_after=started)
     return rc
 

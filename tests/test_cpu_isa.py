@@ -157,3 +157,15 @@ def test_the_wrapper_records_its_server_in_bench_json(tmp_path):
     old = path.stat().st_mtime
     rv.note_server(str(path), {"cpu_isa": "native"}, written_after=old + 60)
     assert json.loads(path.read_text())["vllm_server"]["cpu_isa"] == "avx2"
+
+
+@pytest.mark.parametrize("cpu_isa,host_isa,level", [
+    ("native", "avx2", "avx2"),          # this session's AMD box, as it is
+    ("native", "amx", "amx"),
+    ("avx2", "amx", "avx2"),             # the slow class emulated on an AMX box
+    ("avx512", "avx512_bf16", "avx512"),
+    ("avx512_bf16", "avx2", "avx2"),     # hiding AMX on an AVX2 box changes nothing
+    ("avx512", "unknown", "avx512"),     # host not known: the emulated level is an upper bound
+])
+def test_the_recorded_level_is_the_lower_of_host_and_emulation(cpu_isa, host_isa, level):
+    assert _real_vllm_module().effective_isa(cpu_isa, host_isa) == level

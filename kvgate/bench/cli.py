@@ -19,6 +19,8 @@ from rich.markup import escape
 
 from ..config import parse_value
 from .engines import EngineClient, make_client
+from .host import describe as describe_host
+from .host import summary_line as host_line
 from .report import checks, combine_rounds, render_table, round_lag_warnings, summarize, write_json, write_plots
 from .runner import EngineEnv, Policy, parse_policies, run_policy, scaled_gate_config
 from .workload import VOCAB_DEFAULT, ToolLatency, Workload, WorkloadSpec, generate, load_trace, parse_range
@@ -516,6 +518,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{pool:,} tokens" if pool else "", highlight=False)
     console.print(f"tool latency p50 {wl['tool_latency_p50_s']}s p90 {wl['tool_latency_p90_s']}s (unscaled), "
                   f"time scale {time_scale}; policies: {escape(', '.join(p.name for p in policies))}", highlight=False)
+    host = describe_host()  # before the run: its load average is the machine's, not ours
+    console.print(escape(host_line(host)), highlight=False)
 
     t_start = time.monotonic()
     try:
@@ -557,7 +561,7 @@ def run(args: argparse.Namespace) -> int:
              "redis": redis_kind, "elapsed_s": elapsed, "caps": caps, "rounds": args.rounds,
              "checks": [{"check": n, "passed": ok, "detail": d} for n, ok, d in verdicts],
              "warnings": lagged,
-             "argv": sys.argv[1:], "version": _source_version()}
+             "argv": sys.argv[1:], "version": _source_version(), "host": host}
     json_path = out_dir / "bench.json"
     write_json(summary, json_path, extra)
     paths = [json_path]
