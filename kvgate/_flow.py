@@ -117,7 +117,7 @@ def knob_params(cfg: GateConfig, channel: str) -> dict:
         "alive_ms": 2 * wait_ms + 1000, "claim_ms": 2 * wait_ms + 1000,
         "max_wait_ms": int(cfg.max_wait_s * 1000), "wcr": cfg.wait_cost_ratio, "wcl": cfg.wait_cost_load,
         "wcg": cfg.wait_cost_gap, "wcp": cfg.wait_cost_pool,
-        "gr": cfg.growth_reserve, "reap": cfg.reap_batch, "ch": channel,
+        "gr": cfg.growth_reserve, "oc": cfg.overcommit, "reap": cfg.reap_batch, "ch": channel,
     }
 
 

@@ -29,6 +29,7 @@ class GateConfig:
     hit_threshold: float = 0.80
     expected_decode_cap: int | None = None
     growth_reserve: float = 1.0
+    overcommit: float = 1.0
     max_wait_s: float = 30.0
     wait_cost_ratio: float = 4.0
     wait_cost_load: float = 0.3
@@ -75,9 +76,10 @@ class GateConfig:
             cap = self.expected_decode_cap
             if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
                 raise ValueError(f"expected_decode_cap must be a positive int or None, got {cap!r}")
-            g = number("growth_reserve")
-            if g < 1.0 or math.isinf(g):
-                raise ValueError(f"growth_reserve must be >= 1 and finite, got {g}")
+            for name in ("growth_reserve", "overcommit"):
+                g = number(name)
+                if g < 1.0 or math.isinf(g):
+                    raise ValueError(f"{name} must be >= 1 and finite, got {g}")
         if self.residency:
             in_range("high_watermark", 0.0, 1.0, True)
             in_range("hit_threshold", 0.0, 1.0, False)
@@ -131,7 +133,7 @@ class GateConfig:
 KNOB_TYPES: dict[str, type] = {
     "admission": bool, "residency": bool, "session_lifecycle": bool, "headroom": float,
     "pressure_threshold": float, "high_watermark": float, "hit_threshold": float,
-    "expected_decode_cap": int, "growth_reserve": float, "max_wait_s": float,
+    "expected_decode_cap": int, "growth_reserve": float, "overcommit": float, "max_wait_s": float,
     "wait_cost_ratio": float, "wait_cost_load": float, "wait_cost_gap": float, "wait_cost_pool": float, "wait_poll_s": float,
     "idle_grace_s": float, "lease_ttl_s": float, "staleness_s": float, "scope": str,
     "redis_timeout_s": float, "probe_timeout_s": float, "close_timeout_s": float,

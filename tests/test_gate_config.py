@@ -27,6 +27,7 @@ BAD = [
     ("expected_decode_cap", 0), ("expected_decode_cap", -5), ("expected_decode_cap", 1.5), ("expected_decode_cap", True),
     ("growth_reserve", 0.5), ("growth_reserve", 0), ("growth_reserve", math.inf), ("growth_reserve", math.nan),
     ("growth_reserve", "3"),
+    ("overcommit", 0.99), ("overcommit", 0), ("overcommit", math.inf), ("overcommit", math.nan), ("overcommit", "1.3"),
     ("max_wait_s", -1), ("max_wait_s", math.inf), ("wait_poll_s", 0), ("idle_grace_s", -0.1),
     ("wait_cost_ratio", -1), ("wait_cost_ratio", math.inf), ("wait_cost_ratio", math.nan),
     ("wait_cost_load", -0.1), ("wait_cost_load", math.inf),
@@ -45,7 +46,7 @@ def test_every_knob_rejects_bad_values(knob, value):
 
 @pytest.mark.parametrize("knob, value, feature", [
     ("headroom", 0.0, "admission"), ("pressure_threshold", 2.0, "admission"),
-    ("expected_decode_cap", 0, "admission"), ("growth_reserve", 0.5, "admission"),
+    ("expected_decode_cap", 0, "admission"), ("growth_reserve", 0.5, "admission"), ("overcommit", 0.5, "admission"),
     ("high_watermark", 0.0, "residency"), ("hit_threshold", 5.0, "residency"),
 ])
 def test_feature_knobs_validated_only_when_feature_on(knob, value, feature):
@@ -72,6 +73,7 @@ def test_env_overrides():
     assert GateConfig.from_env(env, max_wait_s=3.0).max_wait_s == 3.0  # explicit beats env
     assert GateConfig.from_env({"KVGATE_EXPECTED_DECODE_CAP": "none"}).expected_decode_cap is None
     assert GateConfig.from_env({"KVGATE_GROWTH_RESERVE": "2.5"}).growth_reserve == 2.5
+    assert GateConfig.from_env({"KVGATE_OVERCOMMIT": "1.3"}).overcommit == 1.3
 
 
 @pytest.mark.parametrize("var, raw", [("KVGATE_MAX_WAIT_S", "soon"), ("KVGATE_ADMISSION", "maybe"),

@@ -1001,6 +1001,30 @@ def test_held_window_revoked_ends_at_release(backend, clock):
     assert ledger(g) == 800  # old's window idles, still charged
 
 
+def test_overcommit_lets_windows_outgrow_the_pool_before_the_trim(backend, clock):
+    # overcommit 1.5: the growth that revokes the youngest above (1100 tokens of windows on a
+    # 1000-token pool) revokes nobody
+    g = mkgate(backend, clock, headroom=1.0, idle_grace_s=60, overcommit=1.5)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    for sid in ("old", "mid", "young"):
+        g.acquire(sid, prompt_tokens=300, max_new_tokens=0).release()
+    grow = g.acquire("old", prompt_tokens=500, max_new_tokens=0)
+    assert grow.reason == "reserved_session"
+    grow.release()
+    g.housekeep()
+    assert {k.decode() for k in g.redis.hkeys(g.key("windows"))} == {"old", "mid", "young"}
+    assert ledger(g) == 1100
+    # the over-commit is for the sessions already in: a newcomer still needs room under the ceiling
+    r = script(g, "acquire", ticket="n1", session="new", need=100, probe=-2, retain=1)
+    assert (r["o"], r["r"]) == ("wait", "capacity_exhausted")
+    script(g, "cancel", ticket="n1")
+    # past 1.5x the pool the youngest go, down to 1.5x the ceiling
+    g.acquire("old", prompt_tokens=1000, max_new_tokens=0).release()  # 1600 > 1500
+    assert {k.decode() for k in g.redis.hkeys(g.key("windows"))} == {"old", "mid"}
+    assert ledger(g) == 1300
+    assert int(g.redis.hget(g.key("stats"), "window_revoked")) == 1
+
+
 def test_rule7_waits_when_the_ledger_is_full(backend, clock):
     g = mkgate(backend, clock, headroom=0.5, probe=FakeProbe({"hot": 1.0}), residency=True)
     g.write_snapshot(engines(cap=1000, usage=0.88))  # ceiling 500

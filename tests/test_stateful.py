@@ -138,12 +138,12 @@ class GateMachine(RuleBasedStateMachine):
     @initialize(features=st.sampled_from([(True, True), (True, False), (False, True)]),
                 grace=st.sampled_from([0.0, 2.0]), has_probe=st.booleans(),
                 usage=st.sampled_from([None, 0.1, 0.86, 0.95]), cap=st.sampled_from([1000, 2000, 4000]),
-                growth=st.sampled_from([1.0, 1.0, 2.5]))
-    def setup(self, features, grace, has_probe, usage=None, cap=2000, growth=1.0):
+                growth=st.sampled_from([1.0, 1.0, 2.5]), overcommit=st.sampled_from([1.0, 1.0, 1.5]))
+    def setup(self, features, grace, has_probe, usage=None, cap=2000, growth=1.0, overcommit=1.0):
         adm, res = features
         self.cfg = kvgate.GateConfig(admission=adm, residency=res, idle_grace_s=grace, wait_poll_s=1.0,
                                      max_wait_s=2.0, lease_ttl_s=10.0, staleness_s=30.0, reap_batch=8,
-                                     growth_reserve=growth)
+                                     growth_reserve=growth, overcommit=overcommit)
         self.has_probe = has_probe and res
         self.gate = kvgate.Gate(self.r, gate=f"st-{uuid.uuid4().hex[:10]}", config=self.cfg,
                                 clock_ms=lambda: self.now)
@@ -487,15 +487,15 @@ class GateMachine(RuleBasedStateMachine):
         post = self.state
         if (self.cfg.admission and self.cfg.residency and post.window_order is not None
                 and post.fresh(self.now, int(self.cfg.staleness_s * 1000)) and limit >= len(pre.windows)):
-            # an over-committed ledger (past the engines' capacity: hysteresis) is trimmed,
-            # youngest windows first, down to the ceiling; the oldest window always stays. So
-            # once trimming started, either what is left after the revoked windows end fits the
-            # ceiling, or every window but the oldest is revoked
+            # an over-committed ledger (past overcommit x the engines' capacity: hysteresis) is
+            # trimmed, youngest windows first, down to overcommit x the ceiling; the oldest window
+            # always stays. So once trimming started, either what is left after the revoked
+            # windows end fits that, or every window but the oldest is revoked
             cap = int(post.snap["capacity"])
-            ceiling = int(cap * self.cfg.headroom)
+            ceiling = int(int(cap * self.cfg.headroom) * self.cfg.overcommit)
             newly_rv = any(w.get("rv") == 1 and pre.windows.get(s_, {}).get("rv") != 1
                            for s_, w in post.windows.items())
-            if post.reserved > cap or out["revoked"] > 0 or newly_rv:
+            if post.reserved > cap * self.cfg.overcommit or out["revoked"] > 0 or newly_rv:
                 revoked = sum(w["t"] for w in post.windows.values() if w.get("rv") == 1)
                 oldest = min(post.window_order, key=post.window_order.get) if post.window_order else None
                 rest = [s_ for s_, w in post.windows.items() if w.get("rv") != 1 and s_ != oldest]

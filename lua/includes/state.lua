@@ -2,7 +2,7 @@
   state.lua: snapshot reading, the fit test, lease/window/waiter transitions, bounded
   reaping and FIFO advance. Needs common.lua. Parameters read from P (the caller's knobs):
     adm (0/1 admission on), res (0/1 residency on), hw (high_watermark), pt (pressure_threshold),
-    headroom, stale_ms (staleness), grace_ms (idle_grace), ttl_ms (lease TTL),
+    headroom, oc (overcommit: how far windows may outgrow the pool before the trim), stale_ms (staleness), grace_ms (idle_grace), ttl_ms (lease TTL),
     claim_ms (how long a FIFO grant waits to be claimed), reap (max items per reap pass).
 ]]
 
@@ -79,10 +79,12 @@ end
 local function trim(snap, limit)
   if P.adm ~= 1 or P.res ~= 1 or not snap.fresh then return 0 end
   -- hysteresis: windows may grow past the ceiling (rules 5 and 7); only when they outgrow
-  -- the engines' whole capacity are the youngest revoked, down to the ceiling
+  -- overcommit x the engines' whole capacity are the youngest revoked, down to overcommit x
+  -- the ceiling (overcommit 1: the pool and the ceiling themselves)
   local r = reserved()
-  if r <= snap.capacity then return 0 end
-  local excess = r - snap.ceiling
+  local oc = num(P.oc, 1)
+  if r <= snap.capacity * oc then return 0 end
+  local excess = r - math.floor(snap.ceiling * oc)
   local n = 0
   local oldest = redis.call("ZRANGE", K.window_order, 0, 0)[1]
   for _, s in ipairs(redis.call("ZREVRANGE", K.window_order, 0, limit - 1)) do
