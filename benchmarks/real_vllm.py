@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from kvgate.bench.host import MATRIX_ISA_LEVELS
 from kvgate.bench.host import describe as describe_host
 from kvgate.integrations.vllm_testing import DEFAULT_VLLM_PYTHON, start_server, write_model
 
@@ -39,8 +40,8 @@ def isa_env(isa: str) -> dict[str, str]:
     return {"PYTHONPATH": path, "KVGATE_CPU_MASK": mask, **caps}
 
 
-# low to high, as kvgate.bench.host names them ("native" is the host's own level)
-ISA_ORDER = ("avx2", "avx512", "avx512_bf16", "amx")
+# low to high ("native" is the host's own level)
+ISA_ORDER = tuple(name for name, _ in reversed(MATRIX_ISA_LEVELS))
 
 
 def effective_isa(cpu_isa: str, host_isa: str) -> str:

@@ -6,7 +6,7 @@ import pytest
 from kvgate.bench import cli as bench_cli
 from kvgate.bench import host
 
-# trimmed /proc/cpuinfo of the boxes the project ran on (flags shortened to what matters)
+# /proc/cpuinfo as the project's boxes print it (an AVX2 AMD, an AMX Xeon), flags shortened to what matters
 AMD_AVX2 = """processor\t: 0
 vendor_id\t: AuthenticAMD
 model name\t: AMD EPYC
@@ -16,7 +16,7 @@ model name\t: AMD EPYC
 flags\t\t: fpu sse sse2 avx f16c avx2 bmi2 vaes vpclmulqdq
 """
 XEON_AMX = """processor\t: 0
-model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
+model name\t: Intel(R) Xeon(R) Processor
 flags\t\t: avx avx2 avx512f avx512bw avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8
 """
 
@@ -46,7 +46,7 @@ def test_describe_reads_a_cpuinfo_file(tmp_path):
     d = host.describe(str(p))
     assert d["cpu"].startswith("Intel(R) Xeon(R)") and d["matrix_isa"] == "amx"
     assert d["cpus"] >= 1
-    assert host.summary_line(d).startswith("host: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz, ")
+    assert host.summary_line(d).startswith("host: Intel(R) Xeon(R) Processor, ")
 
 
 def test_describe_without_cpuinfo_says_unknown(tmp_path):

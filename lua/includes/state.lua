@@ -2,7 +2,8 @@
   state.lua: snapshot reading, the fit test, lease/window/waiter transitions, bounded
   reaping and FIFO advance. Needs common.lua. Parameters read from P (the caller's knobs):
     adm (0/1 admission on), res (0/1 residency on), hw (high_watermark), pt (pressure_threshold),
-    headroom, oc (overcommit: how far windows may outgrow the pool before the trim), stale_ms (staleness), grace_ms (idle_grace), ttl_ms (lease TTL),
+    headroom, oc (overcommit: how far windows may outgrow the pool before the trim),
+    stale_ms (staleness), grace_ms (idle_grace), ttl_ms (lease TTL),
     claim_ms (how long a FIFO grant waits to be claimed), reap (max items per reap pass).
 ]]
 
