@@ -14,6 +14,7 @@ from .config import GateConfig
 from .metrics import build_step_metrics
 from .scripts import SCRIPT_NAMES, script_source
 from .snapshot import EngineState, SnapshotResult
+from ._urls import normalize_base_url
 
 #: after a Redis fault, turns bypass as degraded without calling Redis for this long,
 #: so a dead Redis costs one timeout per breaker period, not one per turn
@@ -21,6 +22,17 @@ BREAKER_S = 1.0
 
 #: sessions whose last turn end this process remembers (for the tool gap it reports)
 MAX_TRACKED_SESSIONS = 65536
+
+#: releases and cancels that could not reach Redis, kept to send once it answers again
+#: (oldest dropped past this: their leases are then reclaimed by ``lease_ttl_s``)
+MAX_DEFERRED = 4096
+
+#: most deferred operations one call sends before its own script
+DEFERRED_BATCH = 32
+
+#: the scripts that give back what a ticket holds; idempotent per ticket, so sending one
+#: again (after a reply was lost) or late (after Redis came back) is safe
+GIVE_BACK = ("release", "cancel")
 
 
 class GateBase:
@@ -38,6 +50,9 @@ class GateBase:
         self.channel = _keys.channel(self.name)
         self._knobs = knob_params(config, self.channel)
         self._breaker_until = 0.0
+        # releases and cancels Redis has not confirmed: ticket -> (script, params); sent
+        # before the next script call once the breaker is closed (docs/concepts.md#failing-open)
+        self._deferred: OrderedDict[str, tuple[str, dict]] = OrderedDict()
         self._local = Counter()          # outcomes decided without Redis (pass, degraded on faults)
         self._local_lock = threading.Lock()
         self._turns = Counter()          # per-session turn counter when the caller gives no index
@@ -57,6 +72,42 @@ class GateBase:
 
     def _trip(self) -> None:
         self._breaker_until = time.monotonic() + BREAKER_S
+
+    def _defer(self, ticket: str, script: str, params: dict) -> None:
+        """Keep a release or cancel that did not reach Redis (or whose reply was lost) to send
+        later. A cancel supersedes nothing it should not: both give back all the ticket holds."""
+        with self._local_lock:
+            if ticket not in self._deferred:
+                self._local["deferred"] += 1
+            self._deferred[ticket] = (script, params)
+            self._deferred.move_to_end(ticket)
+            while len(self._deferred) > MAX_DEFERRED:
+                self._deferred.popitem(last=False)
+                self._local["deferred_dropped"] += 1
+
+    def _take_deferred(self) -> list[tuple[str, str, dict]]:
+        with self._local_lock:
+            out = []
+            while self._deferred and len(out) < DEFERRED_BATCH:
+                t, (script, params) = self._deferred.popitem(last=False)
+                out.append((t, script, params))
+            return out
+
+    def _undo_take(self, items: list[tuple[str, str, dict]]) -> None:
+        """Put back what a failed flush took (at the front: they are the oldest)."""
+        with self._local_lock:
+            for t, script, params in reversed(items):
+                if t not in self._deferred:
+                    self._deferred[t] = (script, params)
+                    self._deferred.move_to_end(t, last=False)
+            while len(self._deferred) > MAX_DEFERRED:
+                self._deferred.popitem(last=False)
+                self._local["deferred_dropped"] += 1
+
+    @property
+    def deferred_count(self) -> int:
+        """Releases and cancels waiting for Redis to answer again (0 while it is healthy)."""
+        return len(self._deferred)
 
     def _count_local(self, d: Decision) -> None:
         with self._local_lock:
@@ -195,6 +246,19 @@ class LeaseBase:
         return (f"{type(self).__name__}(session={self.session_id!r}, outcome={self.outcome!r}, "
                 f"reason={self.reason!r}, waited_s={self.waited_s:.3f}, tokens={self.tokens}, "
                 f"ticket={self.ticket!r})")
+
+
+def closable_urls(urls: Sequence[str]) -> tuple[list[str], int]:
+    """The URLs a close can go to, and how many it cannot (malformed, e.g. in a snapshot a
+    user wrote by hand): those count as failed closes, never as an error at the session's end."""
+    good: list[str] = []
+    bad = 0
+    for u in urls:
+        try:
+            good.append(normalize_base_url(u))
+        except ValueError:
+            bad += 1
+    return good, bad
 
 
 def engine_urls_from(config: GateConfig, engines_json: Any) -> list[str]:

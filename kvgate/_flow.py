@@ -27,6 +27,11 @@ class RedisDown(Exception):
     """Thrown into a flow when Redis could not answer (fault, timeout, breaker open)."""
 
 
+class BreakerOpen(RedisDown):
+    """RedisDown raised before anything was sent (the breaker is open after a recent fault),
+    so the script certainly did not run."""
+
+
 @dataclass(frozen=True)
 class Eval:
     script: str
@@ -68,8 +73,26 @@ class Decision:
     held: bool = False      # True when Redis holds a lease that must be released
 
 
+#: the most tokens a turn's prompt or decode budget may claim: far above any model's
+#: context, and low enough that the ledger's sums stay exact in the scripts (Lua's ``%d``
+#: and cjson's 14 significant digits)
+MAX_TURN_TOKENS = 2**31 - 1
+
+
 def new_ticket() -> str:
     return uuid.uuid4().hex
+
+
+def check_session_id(session_id: Any) -> str:
+    """A session id the scripts can carry: a non-empty str of at most 512 characters that
+    encodes as UTF-8 (a lone surrogate would make every script call for it fail)."""
+    if not isinstance(session_id, str) or not session_id or len(session_id) > 512:
+        raise ValueError(f"session_id must be a non-empty string of at most 512 characters, got {session_id!r}")
+    try:
+        session_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"session_id must be valid Unicode (no lone surrogates), got {session_id!r}") from None
+    return session_id
 
 
 def build_request(cfg: GateConfig, session_id: Any, *, prompt_ids: Sequence[int] | None = None,
@@ -77,8 +100,7 @@ def build_request(cfg: GateConfig, session_id: Any, *, prompt_ids: Sequence[int]
                   scope: str = "train", retain_session: bool = True, turn_index: int | None = None,
                   timeout_s: float | None = None, ticket: str | None = None) -> TurnRequest:
     """Validate a turn's arguments (before anything touches Redis) and size its reservation."""
-    if not isinstance(session_id, str) or not session_id or len(session_id) > 512:
-        raise ValueError(f"session_id must be a non-empty string of at most 512 characters, got {session_id!r}")
+    check_session_id(session_id)
     if (prompt_ids is None) == (prompt_tokens is None):
         raise ValueError("give exactly one of prompt_ids (token ids) or prompt_tokens (a count)")
     if prompt_ids is not None:
@@ -89,8 +111,12 @@ def build_request(cfg: GateConfig, session_id: Any, *, prompt_ids: Sequence[int]
         if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 0:
             raise ValueError(f"prompt_tokens must be an int >= 0, got {prompt_tokens!r}")
         n_prompt = prompt_tokens
+    if n_prompt > MAX_TURN_TOKENS:
+        raise ValueError(f"a prompt of {n_prompt} tokens is more than a turn may claim ({MAX_TURN_TOKENS})")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if max_new_tokens > MAX_TURN_TOKENS:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is more than a turn may claim ({MAX_TURN_TOKENS})")
     if scope not in ("train", "eval"):
         raise ValueError(f"scope must be 'train' or 'eval', got {scope!r}")
     if turn_index is not None and (isinstance(turn_index, bool) or not isinstance(turn_index, int) or turn_index < 0):
@@ -160,6 +186,8 @@ def acquire_flow(cfg: GateConfig, req: TurnRequest, knobs: dict, has_probe: bool
         if o == "preempted":
             raise Preempted(req.session_id, req.ticket, r.get("r", "preempted"))
         if o == "probe":
+            if "b" in r and "t0" not in params:
+                params["t0"] = r["b"]  # when this attempt began (by the scripts' clock)
             result: ProbeResult = yield Probe()
             params["probe"] = result.hit_ratio if result.hit_ratio is not None else no_probe
         elif o == "wait":

@@ -9,8 +9,8 @@ from typing import Any, AsyncIterator, Sequence
 import redis
 import redis.asyncio as aioredis
 
-from ._base import GateBase, LeaseBase, engine_urls_from
-from ._flow import Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow
+from ._base import GateBase, LeaseBase, closable_urls, engine_urls_from
+from ._flow import BreakerOpen, Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow, check_session_id
 from .config import GateConfig
 from .errors import KvgateError
 from .probe import UNAVAILABLE, ProbeResult, coerce
@@ -132,14 +132,32 @@ class AsyncGate(GateBase):
 
     async def _eval(self, name: str, params: dict) -> dict:
         if self._breaker_open():
-            raise RedisDown("breaker open after a recent Redis fault")
+            raise BreakerOpen("breaker open after a recent Redis fault")
+        if self._deferred:
+            await self._flush_deferred()
+        return await self._call(name, params)
+
+    async def _call(self, name: str, params: dict) -> dict:
         try:
             raw = await wait_for(self._scripts[name](keys=self._keys, args=self._args(params)),
-                                         self.config.redis_timeout_s * 2 + 0.5)
+                                 self.config.redis_timeout_s * 2 + 0.5)
         except REDIS_ERRORS as e:
             self._trip()
             raise RedisDown(str(e) or type(e).__name__) from e
         return self._decode(raw)
+
+    async def _flush_deferred(self) -> None:
+        """See ``Gate._flush_deferred``."""
+        items = self._take_deferred()
+        for i, (_, script, params) in enumerate(items):
+            try:
+                await self._call(script, params)
+            except RedisDown as e:
+                self._undo_take(items[i:])
+                raise BreakerOpen(f"Redis faulted while sending deferred releases: {e}") from e
+            except BaseException:  # cancelled mid-flush: keep what was not confirmed
+                self._undo_take(items[i:])
+                raise
 
     # -- turns -----------------------------------------------------------------------------
     async def acquire(self, session_id: str, *, prompt_ids: Sequence[int] | None = None,
@@ -178,6 +196,7 @@ class AsyncGate(GateBase):
     async def _drive(self, req: TurnRequest, abort_event: Any) -> Decision:
         gen = acquire_flow(self.config, req, self._knobs, self.probe is not None, time.monotonic)
         ev = self._listener.register(req.ticket)
+        sent = False  # a script call for this ticket may have run
         send: Any = None
         throw: BaseException | None = None
         try:
@@ -192,6 +211,12 @@ class AsyncGate(GateBase):
                         send = await self._eval(op.script, op.params)
                     except RedisDown as e:
                         throw = e
+                        sent = sent or not isinstance(e, BreakerOpen)
+                        if sent:  # it may hold a waiter record or a lease: give it back later
+                            self._defer(req.ticket, "cancel", op.params if op.script == "cancel"
+                                        else {"ticket": req.ticket})
+                    else:
+                        sent = True
                 elif isinstance(op, Probe):
                     send = await self._probe(req)
                 elif isinstance(op, Wait):
@@ -210,8 +235,10 @@ class AsyncGate(GateBase):
 
     async def _cancel_shielded(self, ticket: str) -> None:
         async def cancel() -> None:
-            with contextlib.suppress(RedisDown):
+            try:
                 await self._eval("cancel", {"ticket": ticket})
+            except RedisDown:
+                self._defer(ticket, "cancel", {"ticket": ticket})
         t = asyncio.ensure_future(cancel())
         with contextlib.suppress(BaseException):
             await asyncio.shield(t)
@@ -266,9 +293,11 @@ class AsyncGate(GateBase):
             return ProbeResult(None, detail=f"probe failed: {type(e).__name__}: {e}")
 
     async def _release(self, ticket: str, latency_s: float, turn_index: int | None) -> bool:
+        params = {"ticket": ticket, "lat_ms": latency_s * 1000.0, "turn": turn_index}
         try:
-            r = await self._eval("release", {"ticket": ticket, "lat_ms": latency_s * 1000.0, "turn": turn_index})
+            r = await self._eval("release", params)
         except RedisDown:
+            self._defer(ticket, "release", params)  # sent once Redis answers (else the TTL reclaims it)
             return False
         return bool(r.get("released"))
 
@@ -277,8 +306,7 @@ class AsyncGate(GateBase):
         """See ``Gate.finish_session``. With ``session_lifecycle`` on, the session's
         in-flight turns in this process are joined for up to ``close_timeout_s``, then
         cancelled, before ``/close_session`` goes to every engine."""
-        if not isinstance(session_id, str) or not session_id:
-            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+        check_session_id(session_id)
         out: dict[str, Any] = {"session_id": session_id}
         try:
             out.update(await self._eval("finish_session", {"session": session_id}))
@@ -299,12 +327,14 @@ class AsyncGate(GateBase):
 
     async def _close(self, session_id: str) -> dict:
         from .lifecycle import aclose_session
-        urls = await self.engine_urls()
+        urls, bad = closable_urls(await self.engine_urls())
         res = await aclose_session(urls, session_id, timeout_s=self.config.close_timeout_s)
-        await self.record_close(res.attempts, res.failures)
-        return {"attempts": res.attempts, "failures": res.failures}
+        attempts, failures = res.attempts + bad, res.failures + bad
+        await self.record_close(attempts, failures)
+        return {"attempts": attempts, "failures": failures}
 
     async def num_preempted(self, session_id: str) -> int:
+        check_session_id(session_id)
         try:
             v = await self.redis.hget(self.key("preempted"), session_id)
         except REDIS_ERRORS:

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from ._urls import normalize_base_url
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -76,6 +78,8 @@ class GateConfig:
             cap = self.expected_decode_cap
             if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
                 raise ValueError(f"expected_decode_cap must be a positive int or None, got {cap!r}")
+            if cap is not None and cap > 2**31 - 1:
+                raise ValueError(f"expected_decode_cap must be at most {2**31 - 1}, got {cap}")
             for name in ("growth_reserve", "overcommit"):
                 g = number(name)
                 if g < 1.0 or math.isinf(g):
@@ -99,6 +103,8 @@ class GateConfig:
             raise ValueError(f"reap_batch must be an int >= 1, got {self.reap_batch!r}")
         if not isinstance(self.engine_urls, tuple) or not all(isinstance(u, str) and u for u in self.engine_urls):
             raise ValueError(f"engine_urls must be a tuple of base URLs, got {self.engine_urls!r}")
+        for u in self.engine_urls:
+            normalize_base_url(u)  # ValueError naming the URL: the close fan-out would refuse it later
 
     @property
     def gating(self) -> bool:

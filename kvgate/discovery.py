@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 from urllib.parse import urlsplit
@@ -17,6 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ._aio import wait_for
+from ._urls import normalize_base_url
 
 __all__ = [
     "Endpoint",
@@ -31,8 +31,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # a 64-rank SGLang /metrics is well under 2 MiB
-
-_DP_SUFFIX = re.compile(r"@(\d+)$")  # sgl-router --dp-aware lists "http://h:p@<dp_rank>"
 
 
 class DiscoveryError(RuntimeError):
@@ -57,28 +55,6 @@ class Endpoint:
     model_id: str | None = None
     worker_type: str | None = None
     draining: bool = False
-
-
-def normalize_base_url(url: str) -> str:
-    """``http(s)://host[:port][/prefix]`` without a trailing slash or a router ``@dp`` suffix.
-
-    Raises ValueError for anything else (no scheme, other schemes, no host, query strings).
-    """
-    if not isinstance(url, str) or not url.strip():
-        raise ValueError(f"engine URL must be a non-empty string, got {url!r}")
-    u = _DP_SUFFIX.sub("", url.strip())
-    parts = urlsplit(u)
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"engine URL needs an http:// or https:// scheme: {url!r}")
-    if not parts.hostname:
-        raise ValueError(f"engine URL has no host: {url!r}")
-    if parts.query or parts.fragment:
-        raise ValueError(f"engine URL must not carry a query or fragment: {url!r}")
-    try:
-        parts.port  # noqa: B018 - validates the port
-    except ValueError as e:
-        raise ValueError(f"engine URL has a bad port: {url!r}") from e
-    return u.rstrip("/")
 
 
 def make_timeout(timeout_s: float) -> httpx.Timeout:

@@ -5,17 +5,21 @@ import concurrent.futures
 import contextlib
 import threading
 import time
+import warnings
 from typing import Any, Iterator, Sequence
 
 import redis
 
-from ._base import GateBase, LeaseBase, engine_urls_from
-from ._flow import Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow
+from ._base import GateBase, LeaseBase, closable_urls, engine_urls_from
+from ._flow import BreakerOpen, Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow, check_session_id
 from .config import GateConfig
 from .probe import UNAVAILABLE, ProbeResult, coerce
 from .snapshot import EngineState, SnapshotResult
 
 REDIS_ERRORS = (redis.RedisError, OSError)
+
+#: threads that run a blocking probe; a probe still running past its timeout keeps its thread
+PROBE_THREADS = 4
 
 
 class Lease(LeaseBase):
@@ -36,9 +40,11 @@ class _Listener:
     def __init__(self, gate: "Gate"):
         self._gate = gate
         self._events: dict[str, threading.Event] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()        # guards _events
+        self._start_lock = threading.Lock()  # one thread (re)subscribes; others do not wait on it
         self._thread = None
         self._pubsub = None
+        self._retry_at = 0.0                 # no resubscribe before this (monotonic) after a failure
 
     def register(self, ticket: str) -> threading.Event:
         ev = threading.Event()
@@ -63,29 +69,49 @@ class _Listener:
             if ev is not None:
                 ev.set()
 
+    def _retry_delay(self) -> float:
+        return min(1.0, self._gate.config.wait_poll_s)
+
     def ensure_started(self) -> bool:
-        """Start the subscription thread if needed; True when it was just started."""
-        with self._lock:
+        """Start the subscription thread if needed; True when it was just started (the caller
+        re-checks once, so no grant published before the subscription is missed). False while
+        it runs, while another thread is starting it, and for a while after a failed start:
+        waiters then poll, they never spin on Redis."""
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        if not self._start_lock.acquire(blocking=False):
+            return False
+        try:
             if self._thread is not None and self._thread.is_alive():
                 return False
+            if time.monotonic() < self._retry_at:
+                return False
+            pubsub = None
             try:
-                self._pubsub = self._gate.redis.pubsub(ignore_subscribe_messages=True)
-                self._pubsub.subscribe(**{self._gate.channel: self._on_message})
-                self._thread = self._pubsub.run_in_thread(
-                    sleep_time=0.5, daemon=True, exception_handler=self._on_error)
+                pubsub = self._gate.redis.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(**{self._gate.channel: self._on_message})
+                thread = pubsub.run_in_thread(sleep_time=0.5, daemon=True, exception_handler=self._on_error)
             except REDIS_ERRORS:
-                self._thread = None
+                self._retry_at = time.monotonic() + self._retry_delay()
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        pubsub.close()
+                return False
+            self._pubsub, self._thread = pubsub, thread
             return True
+        finally:
+            self._start_lock.release()
 
     def _on_error(self, exc: BaseException, pubsub: Any, thread: Any) -> None:
-        # the thread ends; the next waiter restarts it. Waiters keep polling meanwhile.
+        # the thread ends; a waiter restarts it after a short delay. Waiters poll meanwhile.
+        self._retry_at = time.monotonic() + self._retry_delay()
         try:
             thread.stop()
         except Exception:  # noqa: BLE001
             pass
 
     def close(self) -> None:
-        with self._lock:
+        with self._start_lock:
             t, self._thread = self._thread, None
             ps, self._pubsub = self._pubsub, None
         if t is not None:
@@ -97,12 +123,33 @@ class _Listener:
                 ps.close()
 
 
+def _warn_unbounded(client: Any) -> None:
+    """The sync gate's calls are bounded by the client's own socket timeout (the async gate
+    puts a deadline on each call). Warn when a redis-py client has none, or retries timeouts:
+    a stalled Redis would then block turns for that long instead of degrading them."""
+    if not isinstance(client, redis.Redis) or not type(client).__module__.startswith("redis"):
+        return  # fakeredis, a cluster client or a wrapper: not ours to judge
+    kw = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    if not isinstance(kw, dict):
+        return
+    retry = kw.get("retry")
+    retries = getattr(retry, "_retries", 0) or 0
+    if kw.get("socket_timeout") is None or retries > 0:
+        warnings.warn(
+            f"kvgate.Gate: this redis client has socket_timeout={kw.get('socket_timeout')!r} and "
+            f"retries {retries} times, so a stalled Redis blocks turns instead of degrading them "
+            f"within redis_timeout_s; build it with kvgate.Gate.from_url(...), or pass "
+            f"socket_timeout=... and retry=Retry(NoBackoff(), 0)", RuntimeWarning, stacklevel=3)
+
+
 class Gate(GateBase):
     """A gate over one Redis, shared with any number of other processes.
 
     ``Gate(redis_client, gate="name", config=GateConfig(...), probe=...)`` takes any
     redis-py client (``Redis``, ``RedisCluster``, fakeredis); ``Gate.from_url`` builds one
-    with the connect and command timeouts of ``config.redis_timeout_s``.
+    with the connect and command timeouts of ``config.redis_timeout_s``. The sync gate's
+    bound on a stalled Redis is the client's socket timeout: it warns when a redis-py
+    client has none or retries timeouts.
     ``clock_ms`` injects the scripts' clock (tests, simulation); production uses Redis time.
     """
 
@@ -110,10 +157,13 @@ class Gate(GateBase):
                  clock_ms: Any = None):
         super().__init__(gate, config, probe, clock_ms)
         self.redis = redis_client
+        _warn_unbounded(redis_client)
         self._scripts = {n: redis_client.register_script(src) for n, src in self._sources.items()}
         self._listener = _Listener(self)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._inflight: dict[str, int] = {}
+        # session -> {thread ident: turns in flight}: finish_session joins the other threads' turns
+        self._inflight: dict[str, dict[int, int]] = {}
+        self._probes_running = 0
         self._inflight_cv = threading.Condition()
 
     @classmethod
@@ -144,13 +194,29 @@ class Gate(GateBase):
     # -- Redis ---------------------------------------------------------------------------
     def _eval(self, name: str, params: dict) -> dict:
         if self._breaker_open():
-            raise RedisDown("breaker open after a recent Redis fault")
+            raise BreakerOpen("breaker open after a recent Redis fault")
+        if self._deferred:
+            self._flush_deferred()
+        return self._call(name, params)
+
+    def _call(self, name: str, params: dict) -> dict:
         try:
             raw = self._scripts[name](keys=self._keys, args=self._args(params))
         except REDIS_ERRORS as e:
             self._trip()
-            raise RedisDown(str(e)) from e
+            raise RedisDown(str(e) or type(e).__name__) from e
         return self._decode(raw)
+
+    def _flush_deferred(self) -> None:
+        """Send releases and cancels that Redis missed, before the call that found it back;
+        on a fault the rest stay deferred and the call is not sent (BreakerOpen)."""
+        items = self._take_deferred()
+        for i, (_, script, params) in enumerate(items):
+            try:
+                self._call(script, params)
+            except RedisDown as e:
+                self._undo_take(items[i:])
+                raise BreakerOpen(f"Redis faulted while sending deferred releases: {e}") from e
 
     # -- turns -----------------------------------------------------------------------------
     def acquire(self, session_id: str, *, prompt_ids: Sequence[int] | None = None,
@@ -180,8 +246,10 @@ class Gate(GateBase):
         lease = self.acquire(session_id, **kw)
         if lease.outcome != "pass":
             # counted here, not in acquire(): only turn() knows when the engine call ends
+            me = threading.get_ident()
             with self._inflight_cv:
-                self._inflight[lease.session_id] = self._inflight.get(lease.session_id, 0) + 1
+                per = self._inflight.setdefault(lease.session_id, {})
+                per[me] = per.get(me, 0) + 1
         try:
             yield lease
         finally:
@@ -191,17 +259,28 @@ class Gate(GateBase):
     def _turn_done(self, lease: Lease) -> None:
         if lease.outcome == "pass":
             return
+        me = threading.get_ident()
         with self._inflight_cv:
-            n = self._inflight.get(lease.session_id, 0) - 1
+            per = self._inflight.get(lease.session_id, {})
+            n = per.get(me, 0) - 1
             if n <= 0:
-                self._inflight.pop(lease.session_id, None)
+                per.pop(me, None)
             else:
-                self._inflight[lease.session_id] = n
+                per[me] = n
+            if not per:
+                self._inflight.pop(lease.session_id, None)
             self._inflight_cv.notify_all()
+
+    def _others_inflight(self, session_id: str) -> bool:
+        """Turns of this session in flight in other threads (a turn's own thread calling
+        finish_session inside its ``with`` block does not wait for itself)."""
+        me = threading.get_ident()
+        return any(n > 0 for t, n in self._inflight.get(session_id, {}).items() if t != me)
 
     def _drive(self, req: TurnRequest, abort_event: Any) -> Decision:
         gen = acquire_flow(self.config, req, self._knobs, self.probe is not None, time.monotonic)
         ev = self._listener.register(req.ticket)
+        sent = False  # a script call for this ticket may have run
         send: Any = None
         throw: BaseException | None = None
         try:
@@ -216,6 +295,12 @@ class Gate(GateBase):
                         send = self._eval(op.script, op.params)
                     except RedisDown as e:
                         throw = e
+                        sent = sent or not isinstance(e, BreakerOpen)
+                        if sent:  # it may hold a waiter record or a lease: give it back later
+                            self._defer(req.ticket, "cancel", op.params if op.script == "cancel"
+                                        else {"ticket": req.ticket})
+                    else:
+                        sent = True
                 elif isinstance(op, Probe):
                     send = self._probe(req)
                 elif isinstance(op, Wait):
@@ -233,8 +318,10 @@ class Gate(GateBase):
             gen.close()
 
     def _cancel_quietly(self, ticket: str) -> None:
-        with contextlib.suppress(RedisDown):
+        try:
             self._eval("cancel", {"ticket": ticket})
+        except RedisDown:
+            self._defer(ticket, "cancel", {"ticket": ticket})
 
     def _wait(self, ev: threading.Event, timeout_s: float, abort_event: Any) -> str:
         if self._listener.ensure_started():
@@ -258,19 +345,38 @@ class Gate(GateBase):
         fn = getattr(probe, "probe", None)
         if fn is None:
             return UNAVAILABLE
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvgate-probe")
-        fut = self._pool.submit(fn, req.session_id, req.prompt_ids)
+        with self._local_lock:
+            if self._probes_running >= PROBE_THREADS:
+                # every probe thread is still busy (a probe hangs past its timeout): answer
+                # unavailable at once rather than queue work without bound
+                return ProbeResult(None, detail="probe failed: all probe threads busy")
+            self._probes_running += 1
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=PROBE_THREADS,
+                                                                   thread_name_prefix="kvgate-probe")
+        try:
+            fut = self._pool.submit(fn, req.session_id, req.prompt_ids)
+        except RuntimeError as e:  # the gate was closed
+            self._probe_done(None)
+            return ProbeResult(None, detail=f"probe failed: {e}")
+        fut.add_done_callback(self._probe_done)
         try:
             return coerce(fut.result(timeout=self.config.probe_timeout_s))
         except Exception as e:  # noqa: BLE001 - a failed probe is an unavailable probe
+            fut.cancel()
             return ProbeResult(None, detail=f"probe failed: {type(e).__name__}: {e}")
 
+    def _probe_done(self, _fut: Any) -> None:
+        with self._local_lock:
+            self._probes_running -= 1
+
     def _release(self, ticket: str, latency_s: float, turn_index: int | None) -> bool:
+        params = {"ticket": ticket, "lat_ms": latency_s * 1000.0, "turn": turn_index}
         try:
-            r = self._eval("release", {"ticket": ticket, "lat_ms": latency_s * 1000.0, "turn": turn_index})
+            r = self._eval("release", params)
         except RedisDown:
-            return False  # the TTL reclaims it
+            self._defer(ticket, "release", params)  # sent once Redis answers (else the TTL reclaims it)
+            return False
         return bool(r.get("released"))
 
     # -- sessions --------------------------------------------------------------------------
@@ -278,8 +384,7 @@ class Gate(GateBase):
         """The session is done: end its ownership window, stop its waiting attempt, and
         with ``session_lifecycle`` join its in-flight turns (bounded) and send
         ``/close_session`` to every engine. Never raises on faults; returns what it did."""
-        if not isinstance(session_id, str) or not session_id:
-            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+        check_session_id(session_id)
         out: dict[str, Any] = {"session_id": session_id}
         try:
             out.update(self._eval("finish_session", {"session": session_id}))
@@ -289,22 +394,24 @@ class Gate(GateBase):
         if self.config.session_lifecycle:
             deadline = time.monotonic() + self.config.close_timeout_s
             with self._inflight_cv:
-                while self._inflight.get(session_id) and time.monotonic() < deadline:
+                while self._others_inflight(session_id) and time.monotonic() < deadline:
                     self._inflight_cv.wait(max(0.0, deadline - time.monotonic()))
-                out["joined"] = not self._inflight.get(session_id)
+                out["joined"] = not self._others_inflight(session_id)
             out["close"] = self._close(session_id)
         return out
 
     def _close(self, session_id: str) -> dict:
         from .lifecycle import close_session
-        urls = self.engine_urls()
+        urls, bad = closable_urls(self.engine_urls())
         res = close_session(urls, session_id, timeout_s=self.config.close_timeout_s)
-        self.record_close(res.attempts, res.failures)
-        return {"attempts": res.attempts, "failures": res.failures}
+        attempts, failures = res.attempts + bad, res.failures + bad
+        self.record_close(attempts, failures)
+        return {"attempts": attempts, "failures": failures}
 
     def num_preempted(self, session_id: str) -> int:
         """How many waiting attempts of this session newer attempts preempted (until the
         session finishes)."""
+        check_session_id(session_id)
         try:
             v = self.redis.hget(self.key("preempted"), session_id)
         except REDIS_ERRORS:

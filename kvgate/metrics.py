@@ -73,6 +73,10 @@ def build_step_metrics(raw: dict | None, config: Any, local: dict) -> dict[str, 
     else:
         m[P + "budget/degraded"] = 1.0
     m[P + "budget/lease_expired"] = _f(st, "lease_expired")
+    # releases and cancels this process could not send (Redis faulted or its breaker was
+    # open), kept to send once Redis answers; dropped ones are left to lease_ttl_s
+    m[P + "client/deferred"] = _f(st, "deferred")
+    m[P + "client/deferred_dropped"] = _f(st, "deferred_dropped")
     n = _f(st, "usage_n")
     if n:
         m[P + "budget/kv_token_usage_mean"] = _f(st, "usage_sum") / n

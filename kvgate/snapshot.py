@@ -8,6 +8,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ._urls import normalize_base_url
+
+#: the most KV tokens one engine may report: far above any real engine, and low enough
+#: that a fleet's sums stay exact in the scripts (cjson keeps 14 significant digits)
+MAX_ENGINE_TOKENS = 2**36
+
 
 @dataclass(frozen=True)
 class EngineState:
@@ -39,8 +45,18 @@ class EngineState:
         if isinstance(self.capacity_tokens, bool) or not isinstance(self.capacity_tokens, int) \
                 or self.capacity_tokens < 0:
             raise ValueError(f"capacity_tokens of {self.engine_id} must be an int >= 0, got {self.capacity_tokens!r}")
-        if self.used_tokens is not None and (not isinstance(self.used_tokens, int) or self.used_tokens < 0):
-            raise ValueError(f"used_tokens of {self.engine_id} must be an int >= 0, got {self.used_tokens!r}")
+        if self.capacity_tokens > MAX_ENGINE_TOKENS:
+            raise ValueError(f"capacity_tokens of {self.engine_id} must be at most {MAX_ENGINE_TOKENS}, "
+                             f"got {self.capacity_tokens}")
+        if self.used_tokens is not None and (isinstance(self.used_tokens, bool) or not isinstance(self.used_tokens, int)
+                                             or not 0 <= self.used_tokens <= MAX_ENGINE_TOKENS):
+            raise ValueError(f"used_tokens of {self.engine_id} must be an int in [0, {MAX_ENGINE_TOKENS}], "
+                             f"got {self.used_tokens!r}")
+        if self.url is not None:
+            try:
+                normalize_base_url(self.url)
+            except ValueError as e:
+                raise ValueError(f"url of {self.engine_id}: {e}") from None
         for name in ("usage", "hit_rate"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or math.isnan(v) or not 0.0 <= v <= 1.0):

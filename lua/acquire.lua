@@ -12,13 +12,16 @@
     gap (optional ms: the session's time away since its last turn ended, sent once per
     attempt; feeds the typical tool gap in the ledger), alive_ms (a waiter's
     liveness extension), reap (bounded work), ch (channel),
-    age (optional 1: the caller's clock says this attempt waited max_wait_s; age it now).
+    age (optional 1: the caller's clock says this attempt waited max_wait_s; age it now),
+    t0 (optional ms: when this attempt began, as a "probe" reply's b told it).
   Returns JSON {o=outcome, r=reason, w=waited ms, t=charged tokens, ep=epoch, pos=FIFO position,
-    mw=this waiter's max wait ms (max_wait_ms, or sooner by wait_cost_ratio)}
+    mw=this waiter's max wait ms (max_wait_ms, or sooner by wait_cost_ratio),
+    b=when a new attempt began (with "probe": send it back as t0)}
     o = "admit" | "bypass" | "wait" | "probe" (enqueued; probe and call again) | "preempted"
     (an aged waiter is admitted, reason "aged", when admission, residency and retain are on;
     otherwise it bypasses, reason "aged")
-  Publishes: "p <ticket>" when it preempts an older waiting attempt of the same session,
+  Publishes: "p <ticket>" when it preempts an older waiting attempt of the same session
+    (an attempt that began before the waiting one is preempted itself instead),
     "g <ticket>" for FIFO heads granted by the bounded advance.
 ]]
 --@include common
@@ -94,6 +97,14 @@ if not w then
   local old = redis.call("HGET", K.session_waiter, session)
   if old and old ~= ticket then
     local ow = jget(K.waiters, old)
+    if ow and ow.st == "w" and P.t0 ~= nil and num(ow.b or ow.e, 0) >= num(P.t0, 0) then
+      -- this attempt was away probing while a newer attempt of its session enqueued (any
+      -- waiter older than this attempt's first call was preempted by that call; one that
+      -- began in the same ms counts as newer): it keeps its place, and this one is preempted
+      redis.call("HINCRBY", K.preempted, session, 1)
+      stat("preempted")
+      return out("preempted", "preempted")
+    end
     if ow and ow.st == "w" then
       ow.q = tonumber(redis.call("ZSCORE", K.fifo, old))
       redis.call("ZREM", K.fifo, old)
@@ -192,11 +203,14 @@ end
 if band and probe == -1 and (P.adm ~= 1 or reserved() + eff <= snap.ceiling) then
   -- rules 1-6 did not decide and a probe could: ask the caller to probe, then call again
   -- (with admission on, rule 7 needs room in the ledger: without it no answer could admit)
-  return out("probe", reason)
+  -- a new attempt learns when it began (t0 on its next call), so that a newer attempt
+  -- enqueued meanwhile is not mistaken for an older one
+  return out("probe", reason, (not w) and { b = num(P.t0, NOW) } or nil)
 end
 if not w then
   if seq == nil then seq = redis.call("HINCRBY", K.ledger, "seq", 1) end
   w = { s = session, n = need, e = NOW, st = "w", r = P.retain }
+  if P.t0 ~= nil then w.b = num(P.t0, NOW) end  -- began before enqueueing (a probe round trip)
   jset(K.waiters, ticket, w)
   redis.call("ZADD", K.fifo, I(seq), ticket)
   redis.call("HSET", K.session_waiter, session, ticket)

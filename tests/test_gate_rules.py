@@ -1151,3 +1151,38 @@ def test_without_growth_reserve_a_window_follows_a_shrinking_prompt(backend, clo
     g3.acquire("s", prompt_tokens=800, max_new_tokens=0).release()
     g3.acquire("s", prompt_tokens=100, max_new_tokens=0).release()
     assert int(g3.redis.hget(g3.key("ledger"), "reserved")) == 2400  # the floor stays
+
+
+def test_attempt_back_from_its_probe_does_not_preempt_a_newer_one(backend, clock):
+    # A asks to probe (it has no FIFO record yet); meanwhile a newer attempt B of the same
+    # session enqueues. A's next call must not take B for the older one (SPEC 4: the newer
+    # attempt preempts the older): A is the one preempted, and B keeps its place.
+    g = mkgate(backend, clock)
+    g.write_snapshot(engines(usage=0.88))  # between the watermark and the guard: probes count
+    r = script(g, "acquire", ticket="A", session="s", need=10, probe=-1)
+    assert r["o"] == "probe" and "b" in r
+    clock.advance(0.2)
+    rb = script(g, "acquire", ticket="B", session="s", need=10, probe=-2)
+    assert rb["o"] == "wait"
+    clock.advance(0.2)
+    ra = script(g, "acquire", ticket="A", session="s", need=10, probe=0.0, t0=r["b"])
+    assert ra["o"] == "preempted"
+    w = g.redis.hget(g.key("waiters"), "B")
+    assert w is not None and b'"st":"w"' in w and g.redis.zscore(g.key("fifo"), "B") is not None
+    assert g.num_preempted("s") == 1
+
+
+def test_flow_sends_back_when_its_attempt_began(backend, clock):
+    # the same through the client: a probe round trip carries the attempt's start as t0
+    seen = []
+
+    class Probe:
+        def probe(self, session_id, prompt_ids):
+            # while this attempt probes, a newer attempt of the session enqueues
+            seen.append(script(g, "acquire", ticket="newer", session="s", need=5, probe=-2)["o"])
+            return kvgate.ProbeResult(0.0)
+    g = mkgate(backend, clock, probe=Probe())
+    g.write_snapshot(engines(usage=0.88))
+    with pytest.raises(kvgate.Preempted):
+        g.acquire("s", prompt_ids=[1] * 4, max_new_tokens=1)
+    assert seen == ["wait"] and g.redis.zscore(g.key("fifo"), "newer") is not None

@@ -9,6 +9,7 @@
                                   hit_rate, engines (JSON)
     KEYS[3]  fifo          ZSET   ticket -> FIFO sequence number (strict order)
     KEYS[4]  waiters       HASH   ticket -> JSON {s=session, n=need tokens, e=enqueued ms,
+                                  b=began ms (if before e), r=retain, q=FIFO place passed on,
                                   st="w" waiting | "p" preempted | "f" session finished}
     KEYS[5]  alive         ZSET   ticket -> liveness deadline (ms) of a waiter record
     KEYS[6]  session_waiter HASH  session -> its waiting ticket (attempt preemption)

@@ -1,0 +1,377 @@
+"""The client layer around the scripts under faults: what a release, cancel or acquire does
+when Redis cannot answer, and input that must be refused before it reaches Redis.
+
+Each test names the way the ledger would go wrong without the behaviour it checks."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import warnings
+
+import fakeredis
+import fakeredis.aioredis
+import pytest
+import redis
+
+import kvgate
+from kvgate.probe import ProbeResult
+
+from _gatehelpers import Clock, engines, script
+
+FAST = dict(wait_poll_s=0.2, max_wait_s=2.0, staleness_s=6.0)
+
+
+class FlakyRedis(fakeredis.FakeRedis):
+    """A fakeredis whose next script calls fail: ``fail_before`` raises without running the
+    script (Redis never saw it), ``fail_after`` runs it and then raises (the reply was lost,
+    as when a stalled Redis answers after the client's timeout)."""
+
+    fail_before = 0
+    fail_after = 0
+
+    def evalsha(self, *args, **kw):
+        if self.fail_before:
+            self.fail_before -= 1
+            raise redis.ConnectionError("injected: not sent")
+        r = super().evalsha(*args, **kw)
+        if self.fail_after:
+            self.fail_after -= 1
+            raise redis.TimeoutError("injected: reply lost")
+        return r
+
+
+class AsyncFlakyRedis(fakeredis.aioredis.FakeRedis):
+    fail_before = 0
+    fail_after = 0
+
+    async def evalsha(self, *args, **kw):
+        if self.fail_before:
+            self.fail_before -= 1
+            raise redis.ConnectionError("injected: not sent")
+        r = await super().evalsha(*args, **kw)
+        if self.fail_after:
+            self.fail_after -= 1
+            raise redis.TimeoutError("injected: reply lost")
+        return r
+
+
+def ledger(gate) -> int:
+    return int(gate.redis.hget(gate.key("ledger"), "reserved") or 0)
+
+
+def close_breaker(gate) -> None:
+    gate._breaker_until = 0.0  # as if BREAKER_S had passed
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+#: plain leases (no ownership window), so a release gives the tokens straight back
+PLAIN = dict(retain_session=False)
+
+
+def sync_gate(clock, **cfg):
+    return kvgate.Gate(FlakyRedis(server=fakeredis.FakeServer()), gate="g",
+                       config=kvgate.GateConfig(**{**FAST, **cfg}), clock_ms=clock)
+
+
+# -- releases and cancels that miss Redis are sent once it answers -------------------------
+def test_release_while_breaker_open_is_sent_later(clock):
+    g = sync_gate(clock)
+    g.write_snapshot(engines())
+    lease = g.acquire("s", prompt_tokens=100, max_new_tokens=10, **PLAIN)
+    assert lease.held and ledger(g) == 110
+    g._trip()  # a fault elsewhere in this process
+    assert lease.release() is False
+    assert g.deferred_count == 1 and ledger(g) == 110
+    close_breaker(g)
+    # the next call of any kind sends the release first
+    other = g.acquire("t", prompt_tokens=5, max_new_tokens=5, **PLAIN)
+    assert g.deferred_count == 0
+    assert ledger(g) == 10  # only t's lease: s gave its back, nothing waits for the TTL
+    other.release()
+    assert ledger(g) == 0
+    assert g.step_metrics()["agentic_kv/client/deferred"] == 1
+
+
+def test_release_whose_reply_was_lost_is_sent_again(clock):
+    g = sync_gate(clock)
+    g.write_snapshot(engines())
+    lease = g.acquire("s", prompt_tokens=100, max_new_tokens=10, **PLAIN)
+    g.redis.fail_before = 1  # the release never reaches Redis
+    assert lease.release() is False and ledger(g) == 110
+    close_breaker(g)
+    g.step_metrics()  # any script call flushes
+    assert ledger(g) == 0 and g.deferred_count == 0
+
+
+def test_deferred_release_under_a_window_is_not_charged_twice(clock):
+    # without the deferral the window stays held until lease_ttl_s, and every later turn
+    # of the session is charged again as a branch on top of it
+    g = sync_gate(clock)
+    g.write_snapshot(engines())
+    lease = g.acquire("s", prompt_tokens=100, max_new_tokens=10)  # retained: it opens a window
+    assert lease.reason == "open" and g.redis.hexists(g.key("windows"), "s")
+    g._trip()
+    lease.release()
+    close_breaker(g)
+    nxt = g.acquire("s", prompt_tokens=120, max_new_tokens=10)
+    assert nxt.reason == "reserved_session"
+    assert ledger(g) == 130  # the window, grown to the turn: one charge
+    nxt.release()
+    assert ledger(g) == 130  # the window idles, still charged once
+    assert g.finish_session("s")["freed"] == 130 and ledger(g) == 0
+
+
+def test_acquire_that_ran_but_timed_out_gives_its_lease_back(clock):
+    g = sync_gate(clock)
+    g.write_snapshot(engines())
+    g.redis.fail_after = 1  # the script admits, the reply is lost
+    lease = g.acquire("s", prompt_tokens=100, max_new_tokens=10, **PLAIN)
+    assert (lease.outcome, lease.reason, lease.held) == ("bypass", "degraded", False)
+    assert ledger(g) == 110 and g.deferred_count == 1  # Redis holds a lease nobody will release
+    close_breaker(g)
+    g.step_metrics()
+    assert ledger(g) == 0 and g.redis.hlen(g.key("leases")) == 0
+
+
+def test_acquire_refused_by_the_breaker_defers_nothing(clock):
+    g = sync_gate(clock)
+    g.write_snapshot(engines())
+    g._trip()
+    lease = g.acquire("s", prompt_tokens=100, max_new_tokens=10, **PLAIN)
+    assert lease.reason == "degraded" and g.deferred_count == 0  # never sent: nothing to give back
+
+
+def test_failed_flush_keeps_the_rest_and_sends_nothing_else(clock):
+    g = sync_gate(clock)
+    g.write_snapshot(engines())
+    leases = [g.acquire(f"s{i}", prompt_tokens=10, max_new_tokens=0, **PLAIN) for i in range(3)]
+    g._trip()
+    for lease in leases:
+        lease.release()
+    assert g.deferred_count == 3
+    close_breaker(g)
+    g.redis.fail_before = 1  # the first deferred release fails again
+    assert g.acquire("t", prompt_tokens=1, max_new_tokens=0, **PLAIN).reason == "degraded"
+    assert g.deferred_count == 3 and ledger(g) == 30  # t was not sent either
+    close_breaker(g)
+    g.step_metrics()
+    assert g.deferred_count == 0 and ledger(g) == 0
+
+
+def test_deferred_operations_are_bounded(clock, monkeypatch):
+    import kvgate._base as base
+    monkeypatch.setattr(base, "MAX_DEFERRED", 2)
+    g = sync_gate(clock)
+    g.write_snapshot(engines())
+    leases = [g.acquire(f"s{i}", prompt_tokens=10, max_new_tokens=0, **PLAIN) for i in range(3)]
+    g._trip()
+    for lease in leases:
+        lease.release()
+    assert g.deferred_count == 2  # the oldest is left to lease_ttl_s
+    m = g.step_metrics()  # breaker open: counted locally
+    assert m["agentic_kv/client/deferred"] == 3 and m["agentic_kv/client/deferred_dropped"] == 1
+
+
+def test_async_release_and_lost_acquire_are_sent_later(clock):
+    async def main():
+        g = kvgate.AsyncGate(AsyncFlakyRedis(server=fakeredis.FakeServer()), gate="g",
+                             config=kvgate.GateConfig(**FAST), clock_ms=clock)
+        await g.write_snapshot(engines())
+        lease = await g.acquire("s", prompt_tokens=100, max_new_tokens=10, **PLAIN)
+        g._trip()
+        assert await lease.release() is False
+        close_breaker(g)
+        await g.step_metrics()  # sends s's release
+        assert int(await g.redis.hget(g.key("ledger"), "reserved")) == 0 and g.deferred_count == 0
+        g.redis.fail_after = 1
+        lost = await g.acquire("t", prompt_tokens=50, max_new_tokens=0, **PLAIN)  # it runs, the reply is lost
+        assert lost.reason == "degraded"
+        assert int(await g.redis.hget(g.key("ledger"), "reserved")) == 50
+        assert g.deferred_count == 1
+        close_breaker(g)
+        await g.step_metrics()
+        assert int(await g.redis.hget(g.key("ledger"), "reserved") or 0) == 0
+        assert g.deferred_count == 0
+        await g.aclose()
+    asyncio.run(main())
+
+
+def test_async_cancel_while_breaker_open_is_sent_later():
+    async def main():
+        g = kvgate.AsyncGate(AsyncFlakyRedis(server=fakeredis.FakeServer()), gate="g",
+                             config=kvgate.GateConfig(max_wait_s=30.0, wait_poll_s=5.0))
+        await g.write_snapshot(engines(usage=0.99))  # above the guard: the turn waits
+        task = asyncio.ensure_future(g.acquire("s", prompt_tokens=10, max_new_tokens=0, **PLAIN))
+        for _ in range(200):
+            if await g.redis.zcard(g.key("fifo")):
+                break
+            await asyncio.sleep(0.01)
+        g._trip()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await g.redis.zcard(g.key("fifo")) == 1 and g.deferred_count == 1
+        close_breaker(g)
+        await g.step_metrics()
+        assert await g.redis.zcard(g.key("fifo")) == 0 and await g.redis.hlen(g.key("waiters")) == 0
+        await g.aclose()
+    asyncio.run(main())
+
+
+# -- the sync gate's own bound is the client's ---------------------------------------------
+def test_sync_gate_warns_about_a_client_without_a_bound():
+    with pytest.warns(RuntimeWarning, match="socket_timeout=None"):
+        kvgate.Gate(redis.Redis(host="127.0.0.1", port=1, socket_timeout=None), gate="g")
+    with pytest.warns(RuntimeWarning, match="retries"):
+        kvgate.Gate(redis.Redis(host="127.0.0.1", port=1, socket_timeout=1.0), gate="g")
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kvgate.Gate(redis.Redis(host="127.0.0.1", port=1, socket_timeout=1.0, retry=Retry(NoBackoff(), 0)), gate="g")
+        kvgate.Gate.from_url("redis://127.0.0.1:1/0", gate="g")
+        kvgate.Gate(fakeredis.FakeRedis(), gate="g")
+
+
+def test_sync_waiters_poll_when_pubsub_cannot_start(clock, monkeypatch):
+    # a waiter whose subscription fails must not re-run acquire in a tight loop
+    g = kvgate.Gate(fakeredis.FakeRedis(server=fakeredis.FakeServer()), gate="g",
+                    config=kvgate.GateConfig(max_wait_s=1.0, wait_poll_s=0.25))
+    g.write_snapshot(engines(usage=0.99))
+    calls = {"sub": 0, "acq": 0}
+
+    def broken_pubsub(**kw):
+        calls["sub"] += 1
+        raise redis.ConnectionError("no pub/sub here")
+    monkeypatch.setattr(g.redis, "pubsub", broken_pubsub)
+    real = g._eval
+
+    def counting(name, params):
+        calls["acq"] += name == "acquire"
+        return real(name, params)
+    monkeypatch.setattr(g, "_eval", counting)
+    lease = g.acquire("s", prompt_tokens=10, max_new_tokens=0)
+    assert lease.reason == "aged"
+    # about one re-check per poll over max_wait_s (1 s / 0.25 s), not thousands
+    assert calls["acq"] <= 12 and calls["sub"] <= 6, calls  # one resubscribe try per poll at most
+
+
+# -- bounded probing in the sync gate ------------------------------------------------------
+class HangingProbe:
+    def __init__(self):
+        self.release = threading.Event()
+        self.calls = 0
+
+    def probe(self, session_id, prompt_ids):
+        self.calls += 1
+        self.release.wait(10)
+        return ProbeResult(1.0)
+
+
+def test_hanging_probe_does_not_queue_without_bound():
+    from kvgate.gate import PROBE_THREADS
+    p = HangingProbe()
+    g = kvgate.Gate(fakeredis.FakeRedis(), gate="g", config=kvgate.GateConfig(probe_timeout_s=0.05), probe=p)
+    from kvgate._flow import build_request
+    try:
+        results = [g._probe(build_request(g.config, f"s{i}", prompt_ids=[1] * 4, max_new_tokens=1))
+                   for i in range(PROBE_THREADS + 6)]
+        assert all(r.hit_ratio is None for r in results)
+        assert p.calls == PROBE_THREADS  # the rest answered "busy" at once, nothing queued
+        assert "busy" in results[-1].detail
+    finally:
+        p.release.set()
+    deadline = time.monotonic() + 5
+    while g._probes_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert g._probes_running == 0
+    g.close()
+
+
+# -- finish_session never raises on engine URLs, and does not wait for its own turn ---------
+def test_finish_session_inside_its_own_turn_does_not_wait_for_itself(clock):
+    g = kvgate.Gate(fakeredis.FakeRedis(), gate="g", clock_ms=clock,
+                    config=kvgate.GateConfig(session_lifecycle=True, close_timeout_s=2.0,
+                                             engine_urls=("http://127.0.0.1:1",)))
+    g.write_snapshot(engines())
+    t0 = time.monotonic()
+    with g.turn("s", prompt_tokens=10, max_new_tokens=0):
+        out = g.finish_session("s")
+    assert out["joined"] is True
+    # the close to port 1 fails fast (refused); no close_timeout_s wait for the caller itself
+    assert time.monotonic() - t0 < 2.0
+    assert out["close"] == {"attempts": 1, "failures": 1}
+
+
+def test_finish_session_counts_a_malformed_snapshot_url_as_a_failed_close(clock):
+    g = kvgate.Gate(fakeredis.FakeRedis(), gate="g", clock_ms=clock,
+                    config=kvgate.GateConfig(session_lifecycle=True, close_timeout_s=0.5))
+    g.write_snapshot(engines())
+    # a snapshot written by an older client, with a URL this version refuses
+    g.redis.hset(g.key("snapshot"), "engines", '[{"url": "10.0.0.5:30000"}]')
+    out = g.finish_session("s")  # no ValueError into the agent loop
+    assert out["close"] == {"attempts": 1, "failures": 1}
+
+
+# -- input refused before anything touches Redis -------------------------------------------
+@pytest.mark.parametrize("kw", [
+    dict(prompt_tokens=2**31, max_new_tokens=1),
+    dict(prompt_tokens=1, max_new_tokens=2**31),
+    dict(prompt_tokens=1, max_new_tokens=2**63 - 1),
+])
+def test_sizes_past_what_the_ledger_can_hold_are_refused(kw):
+    g = kvgate.Gate(fakeredis.FakeRedis(), gate="g")
+    g.write_snapshot(engines())
+    with pytest.raises(ValueError, match="more than a turn may claim"):
+        g.acquire("s", **kw)
+    assert g.redis.hget(g.key("ledger"), "reserved") is None
+    assert g.redis.hlen(g.key("leases")) == 0
+
+
+def test_largest_turn_keeps_the_ledger_exact(clock):
+    # at the bound, the charge and the refund are exact integers in the scripts
+    g = kvgate.Gate(fakeredis.FakeRedis(), gate="g", clock_ms=clock,
+                    config=kvgate.GateConfig(admission=False))
+    g.write_snapshot(engines(usage=0.9))
+    cap = 2**31 - 1
+    first = g.acquire("s", prompt_tokens=10, max_new_tokens=0, protected=False)
+    first.release()
+    lease = g.acquire("s", prompt_tokens=cap, max_new_tokens=cap)
+    assert lease.reason == "reserved_session" and ledger(g) == 2 * cap
+    lease.release()
+    g.finish_session("s")
+    assert ledger(g) == 0
+
+
+def test_lone_surrogate_session_id_is_refused():
+    g = kvgate.Gate(fakeredis.FakeRedis(), gate="g")
+    for call in (lambda: g.acquire("\ud800", prompt_tokens=1, max_new_tokens=1),
+                 lambda: g.finish_session("a\udcff"), lambda: g.num_preempted("\ud800")):
+        with pytest.raises(ValueError, match="lone surrogate"):
+            call()
+    assert g.redis.keys("*") == []
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(capacity_tokens=2**36 + 1), "capacity_tokens"),
+    (dict(capacity_tokens=100, used_tokens=2**36 + 1), "used_tokens"),
+    (dict(capacity_tokens=100, used_tokens=True), "used_tokens"),
+    (dict(capacity_tokens=100, url="10.0.0.5:30000"), "url of e0"),
+    (dict(capacity_tokens=100, url="http://h:1/?q=1"), "url of e0"),
+])
+def test_engine_state_refuses_what_the_scripts_cannot_carry(kw, match):
+    with pytest.raises(ValueError, match=match):
+        kvgate.EngineState("e0", **kw)
+
+
+def test_config_refuses_malformed_engine_urls_and_huge_decode_cap():
+    with pytest.raises(ValueError, match="scheme"):
+        kvgate.GateConfig(engine_urls=("engine:30000",))
+    with pytest.raises(ValueError, match="expected_decode_cap"):
+        kvgate.GateConfig(expected_decode_cap=2**31)
+    kvgate.GateConfig(engine_urls=("http://engine:30000/",), expected_decode_cap=2**31 - 1)
