@@ -314,13 +314,16 @@ def test_default_policies_add_the_step_sized_gate_where_the_scenario_has_one(tmp
     data = json.loads((out / "bench.json").read_text())
     names = [p["policy"] for p in data["policies"]]
     base = ["none", "cap-2", "admission", "residency", "kvgate"]
-    assert names == (base + [f"kvgate[{bench_cli.STEP_KNOBS}]"] if step else base)
-    assert SCENARIOS[scenario].step_knobs == (bench_cli.STEP_KNOBS if step else None)
+    # the engine-bound pool's step-sized gate also lets windows outgrow the pool (overcommit)
+    knobs = bench_cli.ENGINE_BOUND_STEP_KNOBS if scenario == "cpu-heavy" else bench_cli.STEP_KNOBS
+    assert names == (base + [f"kvgate[{knobs}]"] if step else base)
+    assert SCENARIOS[scenario].step_knobs == (knobs if step else None)
     if step:
         cfg = data["policies"][-1]["gate"]["config"]
         assert cfg["max_wait_s"] == pytest.approx(240 * 0.01) and cfg["growth_reserve"] == 2.0
+        assert cfg["overcommit"] == (1.3 if scenario == "cpu-heavy" else 1.0)
         assert data["policies"][-2]["gate"]["config"]["max_wait_s"] == pytest.approx(30 * 0.01)
-        assert {c["check"].split(" ")[0] for c in data["checks"]} == {"kvgate", f"kvgate[{bench_cli.STEP_KNOBS}]"}
+        assert {c["check"].split(" ")[0] for c in data["checks"]} == {"kvgate", f"kvgate[{knobs}]"}
     # an explicit list is taken as given
     rc = bench_cli.main(["--scenario", scenario, "--sessions", "2", "--turns", "2", "--time-scale", "0.01",
                          "--policies", "none,kvgate", "--redis", redis_url, "--out", str(out),
@@ -501,3 +504,4 @@ def test_sigterm_stops_the_simulator_and_the_embedded_redis(tmp_path, delay):
         if p.poll() is None:
             p.kill()
             p.wait()
+
