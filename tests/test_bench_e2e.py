@@ -505,3 +505,32 @@ def test_sigterm_stops_the_simulator_and_the_embedded_redis(tmp_path, delay):
             p.kill()
             p.wait()
 
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGTERM"), reason="needs SIGTERM")
+def test_sigterm_inside_a_string_exec_still_exits_130(tmp_path):
+    # CI once saw the bench exit -2 (killed by SIGINT) after printing "interrupted": CPython
+    # remembers an exact KeyboardInterrupt that escapes any exec() of a string (dataclass and
+    # namedtuple creation run one) and, under `python -m`, kills itself with SIGINT at exit
+    # even when the exception was caught. Deliver the SIGTERM inside such an exec, on purpose.
+    import subprocess
+    import sys
+
+    mod = tmp_path / "termmod"
+    mod.mkdir()
+    (mod / "__main__.py").write_text(
+        "import sys\n"
+        "from kvgate.bench.cli import _sigterm_interrupts\n"
+        "try:\n"
+        "    with _sigterm_interrupts():\n"
+        "        exec('import os, signal, time\\nos.kill(os.getpid(), signal.SIGTERM)\\ntime.sleep(10)')\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "    sys.exit(130)\n"
+        "sys.exit(1)\n")
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path))
+    r = subprocess.run([sys.executable, "-m", "termmod"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert "interrupted" in r.stdout, r.stderr
+    assert r.returncode == 130, (r.returncode, r.stderr)
