@@ -9,7 +9,7 @@ from collections import Counter, OrderedDict
 from typing import Any, Callable, Sequence
 
 from . import keys as _keys
-from ._flow import Decision, TurnRequest, build_request, knob_params
+from ._flow import BreakerOpen, Decision, TurnRequest, build_request, knob_params
 from .config import GateConfig
 from .metrics import build_step_metrics
 from .scripts import SCRIPT_NAMES, script_source
@@ -84,6 +84,16 @@ class GateBase:
             while len(self._deferred) > MAX_DEFERRED:
                 self._deferred.popitem(last=False)
                 self._local["deferred_dropped"] += 1
+
+    def _eval_failed(self, ticket: str, script: str, params: dict, err: Exception, sent: bool) -> bool:
+        """An acquire driver's script call failed with ``err`` (a RedisDown): whether anything of
+        this ticket may now be in Redis. A refusal by the open breaker sent nothing; any other
+        failure may have reached Redis, so the ticket's waiter record or lease is given back
+        later (a failed cancel is retried as it was)."""
+        sent = sent or not isinstance(err, BreakerOpen)
+        if sent:
+            self._defer(ticket, "cancel", params if script == "cancel" else {"ticket": ticket})
+        return sent
 
     def _take_deferred(self) -> list[tuple[str, str, dict]]:
         with self._local_lock:

@@ -295,10 +295,7 @@ class Gate(GateBase):
                         send = self._eval(op.script, op.params)
                     except RedisDown as e:
                         throw = e
-                        sent = sent or not isinstance(e, BreakerOpen)
-                        if sent:  # it may hold a waiter record or a lease: give it back later
-                            self._defer(req.ticket, "cancel", op.params if op.script == "cancel"
-                                        else {"ticket": req.ticket})
+                        sent = self._eval_failed(req.ticket, op.script, op.params, e, sent)
                     else:
                         sent = True
                 elif isinstance(op, Probe):

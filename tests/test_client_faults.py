@@ -138,6 +138,17 @@ def test_acquire_that_ran_but_timed_out_gives_its_lease_back(clock):
     assert ledger(g) == 0 and g.redis.hlen(g.key("leases")) == 0
 
 
+def three_released_while_down(clock):
+    """A gate whose three leases (10 tokens each) were released with the breaker open."""
+    g = sync_gate(clock)
+    g.write_snapshot(engines())
+    leases = [g.acquire(f"s{i}", prompt_tokens=10, max_new_tokens=0, **PLAIN) for i in range(3)]
+    g._trip()
+    for lease in leases:
+        lease.release()
+    return g
+
+
 def test_acquire_refused_by_the_breaker_defers_nothing(clock):
     g = sync_gate(clock)
     g.write_snapshot(engines())
@@ -147,12 +158,7 @@ def test_acquire_refused_by_the_breaker_defers_nothing(clock):
 
 
 def test_failed_flush_keeps_the_rest_and_sends_nothing_else(clock):
-    g = sync_gate(clock)
-    g.write_snapshot(engines())
-    leases = [g.acquire(f"s{i}", prompt_tokens=10, max_new_tokens=0, **PLAIN) for i in range(3)]
-    g._trip()
-    for lease in leases:
-        lease.release()
+    g = three_released_while_down(clock)
     assert g.deferred_count == 3
     close_breaker(g)
     g.redis.fail_before = 1  # the first deferred release fails again
@@ -166,12 +172,7 @@ def test_failed_flush_keeps_the_rest_and_sends_nothing_else(clock):
 def test_deferred_operations_are_bounded(clock, monkeypatch):
     import kvgate._base as base
     monkeypatch.setattr(base, "MAX_DEFERRED", 2)
-    g = sync_gate(clock)
-    g.write_snapshot(engines())
-    leases = [g.acquire(f"s{i}", prompt_tokens=10, max_new_tokens=0, **PLAIN) for i in range(3)]
-    g._trip()
-    for lease in leases:
-        lease.release()
+    g = three_released_while_down(clock)
     assert g.deferred_count == 2  # the oldest is left to lease_ttl_s
     m = g.step_metrics()  # breaker open: counted locally
     assert m["agentic_kv/client/deferred"] == 3 and m["agentic_kv/client/deferred_dropped"] == 1
