@@ -436,7 +436,7 @@ class Terminated(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def _sigterm_interrupts():
-    """SIGTERM raises KeyboardInterrupt while the bench runs (main thread only), so the
+    """SIGTERM raises Terminated (a KeyboardInterrupt) while the bench runs (main thread only), so the
     simulator's child process and the embedded redis-server are stopped by the same
     clean-up as Ctrl-C instead of being orphaned by a ``kill``."""
     import signal
