@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -119,24 +120,34 @@ def close_session(
     timeout_s: float = 2.0,
     concurrency: int = 16,
 ) -> CloseResult:
-    """Synchronous :func:`aclose_session` (runs its own event loop; callable from any thread
-    without a running loop, and from inside one via a helper thread)."""
+    """Synchronous :func:`aclose_session`: runs it on its own event loop in a helper thread,
+    so it is callable from any thread, with or without a running loop, and returns within
+    ``timeout_s`` per batch of ``concurrency`` URLs plus 5 s whatever the engines or the
+    resolver do (a close that has not answered by then counts as failed everywhere)."""
     _check_session_id(session_id)
     _check_knobs(timeout_s, concurrency)
     urls = dedupe_urls(urls)  # ValueError on a malformed URL, before any request
     coro_args = dict(timeout_s=timeout_s, concurrency=concurrency)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(aclose_session(urls, session_id, **coro_args))
-    # Called from inside a running loop (sync Gate used in async code): do not nest loops.
-    import concurrent.futures
+    # Always on a helper thread that is never joined past the bound: asyncio.run ends by
+    # joining its default executor, where a name lookup that hangs (loop.getaddrinfo) keeps
+    # running after the request's own deadline cancelled it, so neither the caller's thread
+    # nor a running event loop (a sync Gate used in async code) may run or join that loop.
+    # Bounded: every request inside has its own deadline; add slack for scheduling.
+    batches = max(1, -(-len(urls) // concurrency))
+    bound = timeout_s * batches + 5.0
+    box: dict[str, object] = {}
 
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvgate-close") as ex:
-        fut = ex.submit(asyncio.run, aclose_session(urls, session_id, **coro_args))
-        # bounded: every request inside has its own deadline; add slack for scheduling
-        batches = max(1, -(-len(urls) // concurrency))
+    def target() -> None:
         try:
-            return fut.result(timeout=timeout_s * batches + 5.0)
-        except Exception as e:  # noqa: BLE001 - count, never raise
-            return CloseResult(len(urls), len(urls), (f"close fan-out failed: {type(e).__name__}: {e}",))
+            box["result"] = asyncio.run(aclose_session(urls, session_id, **coro_args))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread below
+            box["error"] = e
+
+    t = threading.Thread(target=target, name="kvgate-close", daemon=True)
+    t.start()
+    t.join(bound)
+    if "result" in box:
+        return box["result"]  # type: ignore[return-value]
+    why = (f"{type(box['error']).__name__}: {box['error']}" if "error" in box
+           else f"no answer within {bound:g} s")
+    return CloseResult(len(urls), len(urls), (f"close fan-out failed: {why}",))

@@ -75,6 +75,40 @@ def test_close_hanging_engine_is_bounded(engines):
     assert "timed out" in res.errors[0]
 
 
+@pytest.mark.parametrize("in_loop", [False, True], ids=["no-loop", "in-loop"])
+def test_sync_close_is_bounded_when_a_name_lookup_hangs(monkeypatch, in_loop):
+    # the request's deadline cancels the lookup's await, but the lookup itself keeps running
+    # in asyncio's default executor, which asyncio.run joins on its way out: the close must
+    # return within its bound without joining it (before, it waited for the lookup)
+    import socket
+
+    real = socket.getaddrinfo
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def getaddrinfo(host, *a, **k):
+        if host in ("hung-lookup.invalid", b"hung-lookup.invalid"):  # anyio passes IDNA bytes
+            started.set()
+            release.wait(60)  # bounded, so a regression fails instead of hanging the suite
+            finished.set()
+            raise socket.gaierror(socket.EAI_NONAME, "released by the test")
+        return real(host, *a, **k)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+    async def in_a_loop():
+        return close_session(["http://hung-lookup.invalid:1"], "s", timeout_s=0.2)
+
+    try:
+        res = (asyncio.run(in_a_loop()) if in_loop
+               else close_session(["http://hung-lookup.invalid:1"], "s", timeout_s=0.2))
+        assert started.is_set()
+        assert not finished.is_set(), "close_session waited for the hung lookup"
+        assert (res.attempts, res.failures) == (1, 1) and not res.ok
+        assert "close fan-out failed" in res.errors[0]
+    finally:
+        release.set()
+
+
 def test_close_with_caller_client_and_no_urls(engines):
     async def go():
         async with httpx.AsyncClient(trust_env=False) as c:
