@@ -239,11 +239,11 @@ def _vllm_capacity(labels: Mapping[str, str]) -> int | None:
         size = int(float(labels.get("block_size", "")))
         if blocks > 0 and size > 0:
             return blocks * size
-    except (TypeError, ValueError):
-        pass  # "None" before the engine profiled memory
+    except (TypeError, ValueError, OverflowError):
+        pass  # "None" before the engine profiled memory; "inf" from a broken exporter
     try:
         tokens = int(float(labels.get("kv_cache_size_tokens", "")))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     return tokens if tokens > 0 else None
 

@@ -104,6 +104,18 @@ def test_vllm_capacity_falls_back_to_kv_cache_size_tokens():
     assert r.capacity_tokens == 4096
 
 
+@pytest.mark.parametrize("blocks", ["inf", "1e999", "-inf"])
+def test_vllm_infinite_capacity_labels_fall_back_or_fail_clearly(blocks):
+    # int(float("inf")) raises OverflowError, which parse_metrics must not let out
+    body = (f'vllm:cache_config_info{{block_size="16",engine="0",kv_cache_size_tokens="4096",'
+            f'num_gpu_blocks="{blocks}"}} 1\n')
+    (r,) = parse_metrics(body).ranks
+    assert r.capacity_tokens == 4096
+    with pytest.raises(MetricsParseError, match="cache_config_info"):
+        parse_metrics(f'vllm:cache_config_info{{block_size="16",engine="0",kv_cache_size_tokens="inf",'
+                      f'num_gpu_blocks="{blocks}"}} 1\n')
+
+
 def test_vllm_zero_queries_gives_no_hit_rate():
     body = ('vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="10"} 1\n'
             'vllm:prefix_cache_hits_total{engine="0"} 0\nvllm:prefix_cache_queries_total{engine="0"} 0\n')
