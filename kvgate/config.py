@@ -13,6 +13,10 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+# the longest time a knob in seconds may hold (~31 years): milliseconds stay exact integers
+MAX_SECONDS = 1e9
+
+
 @dataclass(frozen=True)
 class GateConfig:
     """The gate's knobs. Defaults come from the two seed documents.
@@ -99,6 +103,10 @@ class GateConfig:
             v = number(name)
             if (v <= 0 if lo_open else v < 0) or math.isinf(v):
                 raise ValueError(f"{name} must be {'> 0' if lo_open else '>= 0'} and finite, got {v}")
+            if name.endswith("_s") and v > MAX_SECONDS:
+                # the scripts get milliseconds as integers: past ~2**63 ms they would wrap
+                # negative (a lease that expires at once); no wait or grace is ever that long
+                raise ValueError(f"{name} must be at most {MAX_SECONDS:g} s, got {v:g}")
         if isinstance(self.reap_batch, bool) or not isinstance(self.reap_batch, int) or self.reap_batch < 1:
             raise ValueError(f"reap_batch must be an int >= 1, got {self.reap_batch!r}")
         if not isinstance(self.engine_urls, tuple) or not all(isinstance(u, str) and u for u in self.engine_urls):

@@ -35,6 +35,8 @@ BAD = [
     ("admission", 1), ("residency", "yes"), ("session_lifecycle", None),
     ("redis_timeout_s", 0), ("probe_timeout_s", -1), ("close_timeout_s", 0), ("reap_batch", 0),
     ("engine_urls", ["http://a"]), ("engine_urls", ("",)),
+    # past ~2**63 ms the scripts' integer milliseconds wrap negative: a lease that expires at once
+    ("lease_ttl_s", 1e16), ("idle_grace_s", 1e16), ("max_wait_s", 1e10), ("wait_poll_s", 2e9),
 ]
 
 
@@ -81,3 +83,8 @@ def test_env_overrides():
 def test_env_errors_name_the_variable(var, raw):
     with pytest.raises(ValueError, match=var.replace("KVGATE_", "").lower() if raw == "2" else var):
         GateConfig.from_env({var: raw})
+
+
+def test_the_longest_times_are_still_accepted():
+    c = GateConfig(lease_ttl_s=1e9, idle_grace_s=1e9, max_wait_s=1e9)
+    assert (c.lease_ttl_s, c.idle_grace_s, c.max_wait_s) == (1e9, 1e9, 1e9)
