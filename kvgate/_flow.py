@@ -14,6 +14,7 @@ It returns a ``Decision`` or raises ``Preempted`` / ``AdmissionCancelled`` /
 """
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Sequence
@@ -121,8 +122,9 @@ def build_request(cfg: GateConfig, session_id: Any, *, prompt_ids: Sequence[int]
         raise ValueError(f"scope must be 'train' or 'eval', got {scope!r}")
     if turn_index is not None and (isinstance(turn_index, bool) or not isinstance(turn_index, int) or turn_index < 0):
         raise ValueError(f"turn_index must be an int >= 0, got {turn_index!r}")
-    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s < 0):
-        raise ValueError(f"timeout_s must be a number >= 0, got {timeout_s!r}")
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not math.isfinite(timeout_s) or timeout_s < 0):
+        raise ValueError(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
     decode = max_new_tokens
     if cfg.expected_decode_cap is not None:
         decode = min(decode, cfg.expected_decode_cap)

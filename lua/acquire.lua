@@ -64,7 +64,9 @@ end
 
 local w = jget(K.waiters, ticket)
 if w and w.st ~= "w" then
-  drop_waiter(ticket, w)
+  -- a record that holds its FIFO place (q) for the newer attempt stays until that attempt
+  -- takes the place (it may be away probing now) or the liveness reap drops it
+  if not w.q then drop_waiter(ticket, w) end
   return out("preempted", w.st == "f" and "session_finished" or "preempted")
 end
 
@@ -160,7 +162,8 @@ end
 -- open a window only where the ledger has room for it, so an over-committed ledger does
 -- not hand places to newcomers (it would only revoke someone else's)
 local win_mode = nil
-if P.retain == 1 and (P.adm ~= 1 or reserved() + eff <= snap.ceiling) then win_mode = "open" end
+-- (with residency alone, only under pressure, as everywhere: opens_window)
+if opens and (P.adm ~= 1 or reserved() + eff <= snap.ceiling) then win_mode = "open" end
 local probe = num(P.probe, -2)
 local band = P.res == 1 and (P.adm ~= 1 or snap.usage < P.pt)
 
@@ -184,7 +187,10 @@ local max_wait = num(P.max_wait_ms, 30000)
 -- a waiter ages after wait_cost_ratio x the time to prefill its whole prompt cold, if sooner
 local cost_wait = cost_wait_ms(snap, need)
 if cost_wait then max_wait = math.min(max_wait, cost_wait) end
-if P.age == 1 or (w and NOW - w.e >= max_wait) or (not w and max_wait <= 0) then
+-- a waiter's age counts from when its attempt began (b: before a probe round trip), as the
+-- caller's own deadline does, else the caller re-checks in a tight loop until the script agrees
+local since = w and num(w.b, w.e) or NOW
+if P.age == 1 or (w and NOW - since >= max_wait) or (not w and max_wait <= 0) then
   if P.adm == 1 and P.res == 1 and P.retain == 1 then
     -- aged, both features on: the turn enters with a lease and a window instead of running
     -- uncounted, and idle windows that have waited longest on their tools give way to it
@@ -198,7 +204,7 @@ if P.age == 1 or (w and NOW - w.e >= max_wait) or (not w and max_wait <= 0) then
     advance(num(P.reap, 8), snap)  -- the waiters behind it move up now, not at their next poll
   end
   stat("bypass"); stat("bypass_aged")
-  return out("bypass", "aged", { w = w and (NOW - w.e) or 0 })
+  return out("bypass", "aged", { w = w and (NOW - since) or 0 })
 end
 if band and probe == -1 and (P.adm ~= 1 or reserved() + eff <= snap.ceiling) then
   -- rules 1-6 did not decide and a probe could: ask the caller to probe, then call again
@@ -230,4 +236,5 @@ if g then
   redis.call("ZADD", K.lease_exp, I(NOW + num(P.ttl_ms, 600000)), ticket)
   return out("admit", g.r, { w = g.a - g.e, t = g.t })
 end
-return out("wait", reason, { w = NOW - w.e, pos = redis.call("ZRANK", K.fifo, ticket), mw = math.floor(max_wait) })
+return out("wait", reason, { w = NOW - num(w.b, w.e), pos = redis.call("ZRANK", K.fifo, ticket),
+  mw = math.floor(max_wait) })

@@ -797,6 +797,11 @@ def test_noscript_recovery(backend, clock):
     (dict(session_id="s", prompt_tokens=1, max_new_tokens=1, scope="test"), "scope"),
     (dict(session_id="s", prompt_tokens=1, max_new_tokens=1, turn_index=-1), "turn_index"),
     (dict(session_id="s", prompt_tokens=1, max_new_tokens=1, abort_event=True), "abort_event"),
+    # NaN never ends a wait and turns every poll into a 1 ms spin; True is not a number of seconds
+    (dict(session_id="s", prompt_tokens=1, max_new_tokens=1, timeout_s=float("nan")), "timeout_s"),
+    (dict(session_id="s", prompt_tokens=1, max_new_tokens=1, timeout_s=float("inf")), "timeout_s"),
+    (dict(session_id="s", prompt_tokens=1, max_new_tokens=1, timeout_s=True), "timeout_s"),
+    (dict(session_id="s", prompt_tokens=1, max_new_tokens=1, timeout_s=-1), "timeout_s"),
 ])
 def test_bad_turn_arguments(kwargs, msg):
     class Boom:
@@ -1186,3 +1191,64 @@ def test_flow_sends_back_when_its_attempt_began(backend, clock):
     with pytest.raises(kvgate.Preempted):
         g.acquire("s", prompt_ids=[1] * 4, max_new_tokens=1)
     assert seen == ["wait"] and g.redis.zscore(g.key("fifo"), "newer") is not None
+
+
+def test_a_place_is_inherited_when_the_preempted_attempt_checks_in_while_the_new_one_probes(backend, clock):
+    # T2 preempts the waiting T1 and goes to probe; T1's process learns it was preempted
+    # (pub/sub is faster than a probe) before T2 comes back. T2 must still take T1's place,
+    # ahead of X, who queued after T1 (SPEC 4: the newer attempt takes the older one's place)
+    g = mkgate(backend, clock)
+    g.write_snapshot(engines(usage=0.88))  # between the watermark and the guard: probes count
+    assert script(g, "acquire", ticket="T1", session="s", need=10, probe=0.0)["o"] == "wait"
+    t1_place = g.redis.zscore(g.key("fifo"), "T1")
+    clock.advance(0.1)
+    assert script(g, "acquire", ticket="X", session="x", need=10, probe=0.0)["o"] == "wait"
+    clock.advance(0.1)
+    r2 = script(g, "acquire", ticket="T2", session="s", need=10, probe=-1)
+    assert r2["o"] == "probe"
+    clock.advance(0.05)
+    assert script(g, "acquire", ticket="T1", session="s", need=10, probe=-2)["o"] == "preempted"
+    clock.advance(0.05)
+    r2 = script(g, "acquire", ticket="T2", session="s", need=10, probe=0.0, t0=r2["b"])
+    assert r2["o"] == "wait"
+    assert g.redis.zscore(g.key("fifo"), "T2") == t1_place
+    assert g.redis.zrange(g.key("fifo"), 0, -1) == [b"T2", b"X"]
+    assert g.num_preempted("s") == 1
+
+
+def test_residency_alone_opens_no_window_below_the_watermark_by_rule7(backend, clock):
+    # residency without admission opens windows only under pressure (SPEC 4): a resident
+    # prefix admitted past older waiters while usage is below high_watermark gets a lease only
+    g = mkgate(backend, clock, admission=False, reap_batch=1)
+    g.write_snapshot(engines(usage=0.9))
+    for t in ("W1", "W2"):
+        assert script(g, "acquire", ticket=t, session=t.lower(), need=10, probe=0.0, retain=1)["o"] == "wait"
+    g.write_snapshot(engines(usage=0.8))  # grants one head (reap_batch 1); W2 still waits
+    assert g.redis.zcard(g.key("fifo")) == 1
+    r = script(g, "acquire", ticket="B", session="b", need=10, probe=1.0, retain=1)
+    assert (r["o"], r["r"]) == ("admit", "resident_prefix")
+    assert not g.redis.hexists(g.key("windows"), "b")
+    # under pressure the same admission does open one
+    g.write_snapshot(engines(usage=0.9))
+    r = script(g, "acquire", ticket="C", session="c", need=10, probe=1.0, retain=1)
+    assert (r["o"], r["r"]) == ("admit", "resident_prefix")
+    assert g.redis.hexists(g.key("windows"), "c")
+
+
+def test_a_waiter_ages_from_when_its_attempt_began(backend, clock):
+    # the caller counts max_wait_s from its first call; a probe round trip before it enqueued
+    # counts too, so the script ages it at the same moment instead of 0.5 s later (during
+    # which the caller would re-check every 10 ms)
+    g = mkgate(backend, clock)  # max_wait_s 2
+    g.write_snapshot(engines(usage=0.88))
+    assert script(g, "acquire", ticket="O", session="o", need=10, probe=0.0)["o"] == "wait"  # someone older
+    r = script(g, "acquire", ticket="A", session="s", need=10, probe=-1)
+    assert r["o"] == "probe"
+    clock.advance(0.5)
+    r = script(g, "acquire", ticket="A", session="s", need=10, probe=0.0, t0=r["b"])
+    assert r["o"] == "wait" and r["w"] == 500
+    clock.advance(1.0)  # (a re-check within the liveness deadline, as a polling caller does)
+    assert script(g, "acquire", ticket="A", session="s", need=10, probe=-2)["o"] == "wait"
+    clock.advance(0.6)  # 2.1 s since A began, 1.6 s since it enqueued
+    r = script(g, "acquire", ticket="A", session="s", need=10, probe=-2)
+    assert (r["o"], r["r"]) == ("bypass", "aged")  # (retain off: aged means bypass)
