@@ -151,3 +151,33 @@ def test_empty_and_missing_trace(tmp_path):
         parse_trace(["", "# nothing"])
     with pytest.raises(ValueError, match="cannot read"):
         load_trace(tmp_path / "nope.jsonl")
+
+
+def test_trace_that_is_not_utf8_names_the_line(tmp_path):
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes((_line(turn=0) + "\n" + _line(turn=1, input_tokens=200) + "\n").encode()
+                  + b'{"session": "caf\xe9", "turn": 0, "input_tokens": 5, "output_tokens": 1, "gap_s": 0}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl: line 3: not UTF-8 .*0xe9"):
+        load_trace(p)
+
+
+def test_json_line_separators_inside_a_string_stay_on_their_line(tmp_path):
+    # JSON allows U+2028 / U+2029 / U+0085 raw inside strings (json.dumps(ensure_ascii=False)
+    # writes them); str.splitlines() would cut such a line in two
+    odd = "a\u2028b\u2029c\u0085d"
+    p = tmp_path / "t.jsonl"
+    p.write_text("\r\n".join([json.dumps(json.loads(_line(session=odd)), ensure_ascii=False),
+                              _line(session="x", turn=0),
+                              "{broken"]) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="line 3: not valid JSON"):  # line numbers stay right
+        load_trace(p)
+    p.write_text("\r\n".join([json.dumps(json.loads(_line(session=odd)), ensure_ascii=False),
+                              _line(session="x", turn=0)]) + "\r\n", encoding="utf-8")
+    assert [s.session_id for s in load_trace(p).sessions] == [odd, "x"]
+
+
+def test_a_session_id_spelled_as_number_and_string_is_an_error():
+    with pytest.raises(ValueError, match=r"line 2: session '1' was a int on an earlier line"):
+        parse_trace([_line(session=1, turn=0), _line(session="1", turn=1, input_tokens=200)])
+    # one spelling throughout is fine, either way
+    assert parse_trace([_line(session=1, turn=0), _line(session=1, turn=1, input_tokens=200)]).num_turns == 2

@@ -282,16 +282,25 @@ def load_trace(path: str | Path, *, seed: int = 0, vocab: int = VOCAB_DEFAULT) -
     """
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        raw = p.read_bytes()
     except OSError as e:
         raise ValueError(f"trace {p}: cannot read ({e})") from None
-    return parse_trace(text.splitlines(), seed=seed, vocab=vocab, name=str(p))
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{p}: line {line}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
+    # lines end at "\n" only: JSON strings may hold U+2028, U+2029 or U+0085 raw, which
+    # str.splitlines() would also split on (and shift every later line number)
+    return parse_trace((ln.removesuffix("\r") for ln in text.split("\n")),
+                       seed=seed, vocab=vocab, name=str(p))
 
 
 def parse_trace(lines: Iterable[str], *, seed: int = 0, vocab: int = VOCAB_DEFAULT,
                 name: str = "trace") -> Workload:
     rows: dict[str, dict[int, tuple[int, int, int, float]]] = {}
     order: list[str] = []
+    kinds: dict[str, type] = {}
     for lineno, raw in enumerate(lines, start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -319,6 +328,10 @@ def parse_trace(lines: Iterable[str], *, seed: int = 0, vocab: int = VOCAB_DEFAU
         if sid not in rows:
             rows[sid] = {}
             order.append(sid)
+            kinds[sid] = type(sess)
+        elif kinds[sid] is not type(sess):
+            raise ValueError(f"{where}: session {sess!r} was a {kinds[sid].__name__} on an earlier "
+                             f"line; use one spelling, or two different ids, per session")
         if turn in rows[sid]:
             raise ValueError(f"{where}: duplicate turn {turn} of session {sid!r} "
                              f"(first seen on line {rows[sid][turn][0]})")
