@@ -534,3 +534,68 @@ def test_sigterm_inside_a_string_exec_still_exits_130(tmp_path):
                        text=True, timeout=60)
     assert "interrupted" in r.stdout, r.stderr
     assert r.returncode == 130, (r.returncode, r.stderr)
+
+
+def test_a_caps_wait_for_a_slot_counts_in_its_first_turns_latency(tmp_path):
+    # under cap-1 the sessions run one after another: the later ones are ready at the start
+    # and reach the engine only when a slot frees, so their first turns' latency holds that
+    # wait (as a gate wait does), and the straggler line calls it a slot wait
+    out = tmp_path / "out"
+    rc = bench_cli.main(["--sessions", "3", "--turns", "2", "--first-prompt", "100", "--tool-result", "10",
+                         "--output", "4", "--time-scale", "0.01", "--policies", "none,cap-1",
+                         "--out", str(out), "--no-progress", "--no-plots"])
+    assert rc == 0
+    by = {p["policy"]: p for p in json.loads((out / "bench.json").read_text())["policies"]}
+    rows = by["cap-1"]["sessions"]
+    assert all(r["first_ready_s"] < rows[0]["end_s"] for r in rows)  # all ready at arrival
+    for before, after in zip(rows, rows[1:]):
+        assert after["first_start_s"] >= before["end_s"]  # one slot: strictly one at a time
+        assert after["waited_s"] >= after["first_start_s"] - after["first_ready_s"] - 0.01
+    # turn 0's mean latency holds the slot waits of the sessions that queued
+    slot_waits = sum(r["first_start_s"] - r["first_ready_s"] for r in rows)
+    assert slot_waits >= rows[0]["end_s"] + rows[1]["end_s"] - 0.05
+    assert by["cap-1"]["latency_by_turn_s"]["0"] >= slot_waits / 3
+
+
+def test_wall_clock_runs_from_the_first_arrival(tmp_path):
+    # every session of this trace arrives 50 s (0.5 s scaled) into the step: that idle start
+    # is not the policy's wall-clock
+    trace = tmp_path / "late.jsonl"
+    trace.write_text("".join(json.dumps({"session": s, "turn": t, "input_tokens": 100 + 50 * t,
+                                         "output_tokens": 10, "gap_s": 50.0 if t == 0 else 0.1}) + "\n"
+                             for s in ("a", "b") for t in range(2)))
+    out = tmp_path / "out"
+    rc = bench_cli.main(["--trace", str(trace), "--time-scale", "0.01", "--policies", "none",
+                         "--out", str(out), "--no-progress", "--no-plots"])
+    assert rc == 0
+    (p,) = json.loads((out / "bench.json").read_text())["policies"]
+    last_end = p["sessions"][-1]["end_s"]
+    assert min(r["first_ready_s"] for r in p["sessions"]) >= 0.5
+    assert p["wall_s"] == pytest.approx(last_end - 0.5, abs=0.05)
+
+
+def test_embedded_redis_server_without_the_binary_is_a_bad_argument(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    rc = bench_cli.main(["--sessions", "2", "--turns", "2", "--policies", "none,kvgate",
+                         "--embedded-redis", "redis-server", "--out", str(tmp_path / "o"), "--no-progress"])
+    assert rc == 2
+    assert "no redis-server binary on PATH" in capsys.readouterr().out
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_redis_server_that_will_not_start_is_a_clear_error_with_its_log(tmp_path, monkeypatch, capsys):
+    # a redis-server that writes one line to its --logfile and exits: the bench stops with the
+    # log's words on the console (its temp dir is gone by then), exit 1, no traceback
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "redis-server"
+    fake.write_text("#!/bin/sh\nwhile [ $# -gt 0 ]; do if [ \"$1\" = --logfile ]; then "
+                    "echo 'FATAL CONFIG FILE ERROR (fake)' > \"$2\"; fi; shift; done\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    rc = bench_cli.main(["--sessions", "2", "--turns", "2", "--policies", "none,kvgate",
+                         "--embedded-redis", "redis-server", "--out", str(tmp_path / "o"), "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 1
+    assert "redis-server did not start" in text and "FATAL CONFIG FILE ERROR (fake)" in text
+    assert "Traceback" not in text

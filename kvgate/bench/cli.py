@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import contextlib
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -469,6 +470,10 @@ def _prepare(args: argparse.Namespace, probe: bool) -> tuple:
         args.snapshot_interval = max(0.05, 1.0 * time_scale)
     if not (args.snapshot_interval > 0):
         raise ValueError("--snapshot-interval must be > 0")
+    if (getattr(args, "embedded_redis", "auto") == "redis-server" and not args.redis
+            and shutil.which("redis-server") is None):
+        raise ValueError("--embedded-redis redis-server: no redis-server binary on PATH "
+                         "(install it, or use --embedded-redis fakeredis or --redis URL)")
     workload = build_workload(args, sc)
     env: EngineEnv | None = None
     pool = None
@@ -554,6 +559,12 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the simulator and Redis were stopped on the way out
         console.print("[red]interrupted[/]: no results written")
         return 130
+    except (RuntimeError, OSError, TimeoutError) as e:
+        # a part that would not start (redis-server, the simulator) or a step past its
+        # timeout: what was started is stopped on the way out; say why, not a traceback
+        console.print(f"[red]error:[/] {escape(f'{type(e).__name__}: {e}')}: no results written",
+                      highlight=False)
+        return 1
     elapsed = time.monotonic() - t_start
 
     summaries = [summarize(results, workload) for results in rounds]

@@ -36,6 +36,15 @@ def _ping(port: int) -> bool:
         return False
 
 
+def _log_tail(workdir: str, lines: int = 3) -> str:
+    try:
+        with open(os.path.join(workdir, "redis.log"), errors="replace") as f:
+            tail = [ln.strip() for ln in f.read().splitlines() if ln.strip()][-lines:]
+    except OSError:
+        tail = []
+    return " | ".join(tail) if tail else "its log is empty"
+
+
 @contextlib.contextmanager
 def _redis_server(binary: str, wait_s: float = 10.0) -> Iterator[str]:
     port = free_port()
@@ -48,7 +57,8 @@ def _redis_server(binary: str, wait_s: float = 10.0) -> Iterator[str]:
         deadline = time.monotonic() + wait_s
         while not _ping(port):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start on port {port} (see {workdir}/redis.log)")
+                # the work dir goes on the way out: quote its log, not its path
+                raise RuntimeError(f"redis-server did not start on port {port}: {_log_tail(workdir)}")
             time.sleep(0.05)
         yield f"redis://127.0.0.1:{port}/0"
     finally:

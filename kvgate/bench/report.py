@@ -389,7 +389,8 @@ def render_table(summary: dict, console: Any = None, scenario: str = "") -> None
             how = f"; admitted {adm}" if adm else ""
             console.print(f"step ended by {escape(last['session'])} ({escape(x['policy'])}) at {last['end_s']:.2f} s: "
                           f"first turn ready at {last['first_ready_s']:.2f} s, then {last['turns_done']} turns: "
-                          f"gate waits {last['waited_s']:.2f} s, engine {last['engine_s']:.2f} s, "
+                          f"{'slot' if x.get('kind') in ('cap', 'turncap') else 'gate'} waits "
+                          f"{last['waited_s']:.2f} s, engine {last['engine_s']:.2f} s, "
                           f"tools and the rest {last['other_s']:.2f} s{escape(how)}")
     for x in summary["policies"]:
         iw = x.get("idle_while_waiting")

@@ -433,7 +433,9 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
 
     sem = asyncio.Semaphore(policy.cap) if policy.kind in ("cap", "turncap") else None
 
-    async def session_body(sess, gate) -> None:
+    async def session_body(sess, gate, first_ready: float | None = None) -> None:
+        # first_ready: when the first turn was ready, if the session waited for it before
+        # this body ran (a cap's slot), so that wait counts in the turn's latency
         history: list[int] = []
         sid = sess.session_id
         try:
@@ -444,7 +446,7 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
                     history = session_tokens(workload, sid, t.turn, t.reset_to)
                 else:
                     history.extend(session_tokens(workload, sid, t.turn, t.new_tokens))
-                ready = loop.time() - t0
+                ready = loop.time() - t0 if idx or first_ready is None else first_ready
                 outcome = reason = ""
                 waited = 0.0
                 try:
@@ -491,9 +493,10 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
             start = sess.turns[0].gap_s if sess.turns else 0.0
             if start > 0:
                 await asyncio.sleep(start * time_scale)
+            arrived = loop.time() - t0
             async with sem:
                 await session_body(replace(sess, turns=(replace(sess.turns[0], gap_s=0.0),) + sess.turns[1:]),
-                                   gate)
+                                   gate, first_ready=arrived)
         else:
             await session_body(sess, gate)
 
@@ -516,6 +519,7 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
         try:
             await wait_for(asyncio.gather(*(session(s, gate) for s in workload.sessions)),
                                    timeout=step_timeout_s)
+            end = loop.time()
         finally:
             stop_sampling.set()
             samp.cancel()
@@ -524,7 +528,10 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
                 await wait_for(samp, 10.0)
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await wait_for(lag, 10.0)
-        return loop.time() - t0
+        # the step's wall-clock runs from the first arrival (a trace may start every session
+        # late) to the last session's end, not to the sampler's shutdown
+        first = min((s.turns[0].gap_s for s in workload.sessions if s.turns), default=0.0)
+        return end - t0 - first * time_scale
 
     step: dict = {}
     gate_info: dict = {}
