@@ -468,6 +468,18 @@ def test_cli_rejects_an_unknown_profile_and_lists_the_available_ones():
     assert "unknown simulator profile 'nope'" in p.stderr and "gpu-h100-30b" in p.stderr
 
 
+def test_flush_cache_keeps_the_eviction_counter(fresh):
+    url = fresh.engine_urls[0]
+    with client() as c:
+        for k in range(3):  # 3 x 960 distinct tokens through a 2,048-token pool: evicts
+            gen(c, url, rand_ids(900 + k, 960), 4)
+        before = metric(metrics(c, url), "kvgate_sim:evicted_tokens_total")
+        assert before > 0
+        assert c.post(url + "/flush_cache").status_code == 200
+        # a Prometheus counter never goes back: the flush drops blocks, not what was evicted
+        assert metric(metrics(c, url), "kvgate_sim:evicted_tokens_total") == before
+
+
 def test_flush_cache_only_when_idle(fresh):
     url = fresh.engine_urls[0]
     with client() as c:

@@ -210,7 +210,9 @@ class SimEngine:
         if any(r.busy() or r._inflight is not None for r in self.ranks):
             return False
         for r in self.ranks:
+            evicted = r.cache.evicted_blocks  # a counter (kvgate_sim:evicted_tokens_total) never goes back
             r.cache = PrefixCache(self.profile.kv_capacity_tokens, self.profile.block_size)
+            r.cache.evicted_blocks = evicted
             r.sessions.clear()
         return True
 
