@@ -120,6 +120,9 @@ def build_parser(*, with_bench: bool = False) -> argparse.ArgumentParser:
     sp.add_argument("--concurrency", type=_positive_int, default=32, metavar="N",
                     help="engines scraped at once")
     sp.add_argument("--housekeep-limit", type=_positive_int, default=100, metavar="N")
+    sp.add_argument("--unhealthy-after", type=_positive_int, default=2, metavar="N",
+                    help="failed scrapes in a row before an engine the router lists as healthy counts "
+                         "as unhealthy (until then its last usable numbers stand; 1 = at once)")
     sp.add_argument("--metrics-port", type=_port, default=None, metavar="P",
                     help="serve the gate's Prometheus metrics on this port")
     sp.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDR",
@@ -197,7 +200,7 @@ def cmd_poller(parser, args, cfg) -> int:
         poller = Poller(gate, router=args.router, engines=args.engine, interval_s=args.interval,
                         http_timeout_s=args.http_timeout, max_body_bytes=args.max_body_bytes,
                         leader_ttl_s=args.leader_ttl, concurrency=args.concurrency,
-                        housekeep_limit=args.housekeep_limit)
+                        housekeep_limit=args.housekeep_limit, unhealthy_after=args.unhealthy_after)
     except ValueError as e:
         parser.error(f"poller: {e}")
     if args.dry_run:
@@ -261,6 +264,8 @@ def _serve_metrics(gate, poller, host: str, port: int) -> None:
             yield g
             for name, doc in (("ticks", "poller ticks"), ("writes", "snapshots written"),
                               ("scrape_errors", "engine scrapes that failed or returned garbage"),
+                              ("scrapes_bridged", "failed scrapes whose engine kept its last usable "
+                                                  "numbers (fewer than --unhealthy-after in a row)"),
                               ("leader_changes", "times this poller gained or lost the lease")):
                 c = CounterMetricFamily(f"kvgate_poller_{name}", doc, labels=lab)
                 c.add_metric([poller.name, poller.identity], float(st[name]))

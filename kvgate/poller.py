@@ -12,8 +12,10 @@ Each tick:
 2. discover engines (router ``/workers`` -> ``/list_workers``, or the static list);
 3. scrape every engine's ``/metrics`` concurrently (bounded concurrency, an overall deadline and
    a body-size cap per request);
-4. build one ``EngineState`` per engine (per data-parallel rank); an engine that failed its
-   scrape, answered garbage, or that the router marks unhealthy is ``healthy=False``;
+4. build one ``EngineState`` per engine (per data-parallel rank); an engine the router marks
+   unhealthy is ``healthy=False``, and so is one whose scrape failed (no answer, garbage)
+   ``unhealthy_after`` times in a row (default 2: until then its last usable scrape stands
+   in, so one timeout does not bump the epoch and end every ownership window);
 5. if at least one engine is healthy, and the lease is still ours, ``gate.write_snapshot``
    (one atomic script; the core bumps the epoch when the healthy set changes).  When the router
    is unreachable or no engine is healthy, *no* snapshot is written: the last one goes stale
@@ -202,6 +204,7 @@ class Poller:
         leader_ttl_s: float = 5.0,
         concurrency: int = 32,
         housekeep_limit: int = 100,
+        unhealthy_after: int = 2,
         redis_client: redis.Redis | None = None,
         name: str | None = None,
         identity: str | None = None,
@@ -217,7 +220,7 @@ class Poller:
             log.warning("leader_ttl_s (%s) <= 2 x http_timeout_s (%s): a slow router or engine can make "
                         "the lease lapse mid-tick and leadership flap", leader_ttl_s, http_timeout_s)
         for nm, v in (("concurrency", concurrency), ("housekeep_limit", housekeep_limit),
-                      ("max_body_bytes", max_body_bytes)):
+                      ("max_body_bytes", max_body_bytes), ("unhealthy_after", unhealthy_after)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{nm} must be an int >= 1, got {v!r}")
         self.discovery = Discovery(router=router, engines=engines, timeout_s=http_timeout_s,
@@ -229,6 +232,7 @@ class Poller:
         self.leader_ttl_s = float(leader_ttl_s)
         self.concurrency = concurrency
         self.housekeep_limit = housekeep_limit
+        self.unhealthy_after = unhealthy_after
         self.name = name or _gate_name(gate)
         self.redis = redis_client if redis_client is not None else _redis_of(gate)
         self.identity = identity or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -248,6 +252,9 @@ class Poller:
         self._load_base: dict[str, tuple[float, float]] = {}  # engine id -> (seconds, at)
         self._prefill_loads: dict[str, float] = {}  # engine id -> prefill seconds per wall second
         self._prefill_costs: dict[str, float] = {}  # engine id -> smoothed s per uncached token
+        self._last_good: dict[str, EngineMetrics] = {}  # engine URL -> its last usable scrape
+        self._failed_in_a_row: dict[str, int] = {}  # engine URL -> consecutive failed scrapes
+        self.scrapes_bridged = 0
 
     # -- leadership -----------------------------------------------------------------------
     def _hold_lease(self) -> bool:
@@ -414,15 +421,41 @@ class Poller:
         self.scrape_errors += sum(1 for s in scrapes if s.error)
         for s in scrapes:
             if s.error:
-                log.info("engine %s unhealthy this round: %s", s.endpoint.url, s.error)
+                log.info("engine %s: scrape failed: %s", s.endpoint.url, s.error)
         self._update_hit_rates(scrapes)
         self._update_prefill_costs(scrapes)
-        res.states = engine_states(scrapes, hit_rates=self._hit_rates, known_ids=self._known_ids,
+        res.states = engine_states(self._bridge(scrapes), hit_rates=self._hit_rates, known_ids=self._known_ids,
                                    prefill_costs=self._prefill_costs, prefill_loads=self._prefill_loads)
         if not any(st.healthy for st in res.states):
             res.reason = "no_healthy_engine" if endpoints else "no_engines"
             return False
         return True
+
+    def _bridge(self, scrapes: Sequence[ScrapeResult]) -> list[ScrapeResult]:
+        """The scrapes the snapshot is built from: a failed scrape of an engine the router still
+        lists as healthy is replaced by that engine's last usable one until it has failed
+        ``unhealthy_after`` times in a row. A single timeout must not change the healthy set:
+        that bumps the epoch, which ends every ownership window of every session, and the
+        engine's recovery a tick later bumps it again. The router's own verdict (unhealthy,
+        draining) and an engine never scraped successfully count at once."""
+        out = []
+        for s in scrapes:
+            url = s.endpoint.url
+            if s.metrics is not None:
+                self._last_good[url] = s.metrics
+                self._failed_in_a_row[url] = 0
+                out.append(s)
+                continue
+            n = self._failed_in_a_row.get(url, 0) + 1
+            self._failed_in_a_row[url] = n
+            last = self._last_good.get(url)
+            if s.endpoint.healthy and last is not None and n < self.unhealthy_after:
+                self.scrapes_bridged += 1
+                out.append(ScrapeResult(s.endpoint, metrics=last, seconds=s.seconds))
+                continue
+            self._last_good.pop(url, None)  # unhealthy now: only a fresh scrape brings it back
+            out.append(s)
+        return out
 
     async def aobserve(self, client: httpx.AsyncClient | None = None) -> TickResult:
         """Discover and scrape once; no lease, no write, no housekeeping (``--dry-run``)."""
@@ -523,7 +556,7 @@ class Poller:
         return {
             "identity": self.identity, "leader": self.is_leader, "ticks": self.ticks,
             "writes": self.writes, "leader_changes": self.leader_changes,
-            "scrape_errors": self.scrape_errors,
+            "scrape_errors": self.scrape_errors, "scrapes_bridged": self.scrapes_bridged,
             "last_reason": last.reason if last else None,
             "last_errors": last.errors if last else {},
         }

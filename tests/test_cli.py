@@ -63,6 +63,8 @@ def test_bad_knob_is_a_clear_error():
     (["poller", "--redis", "redis://127.0.0.1:1/0", "--gate", "g", "--engine", "http://b", "--interval", "5",
       "--leader-ttl", "2"], "leader_ttl_s"),
     (["poller", "--gate", "g", "--engine", "http://b"], "--redis URL is required"),
+    (["poller", "--redis", "redis://127.0.0.1:1/0", "--gate", "g", "--engine", "http://b", "--unhealthy-after",
+      "0"], "--unhealthy-after"),
     (["status", "--redis", "redis://127.0.0.1:1/0"], "--gate NAME is required"),
     (["status", "--redis", "redis://127.0.0.1:1/0", "--gate", "bad name!"], "gate name"),
     (["status", "--redis", "redis://127.0.0.1:1/0", "--gate", "g", "--pressure-threshold", "1.5"],
@@ -210,6 +212,7 @@ def test_sigterm_releases_lease_and_metrics_endpoint(redis_url, engine):
 
         body = wait_until(scrape, timeout=15)
         assert 'kvgate_poller_leader{gate="mp"' in body
+        assert "kvgate_poller_scrapes_bridged_total" in body
         assert "kvgate_ceiling_tokens" in body  # the lead's GateCollector in the same registry
         os.kill(p.pid, signal.SIGTERM)
         assert p.wait(timeout=15) == 0

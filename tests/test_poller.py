@@ -236,7 +236,9 @@ def test_epoch_bumps_only_when_healthy_set_changes(redis_url, servers):
     again = p.tick().snapshot
     assert not again.bumped and again.epoch == first.epoch
     e2.route("GET", "/metrics", html(502))
-    down = p.tick().snapshot
+    blip = p.tick()  # one failed scrape: e2's last numbers stand in (unhealthy_after=2)
+    assert blip.errors[e2.url] and not blip.snapshot.bumped and blip.snapshot.n_healthy == 2
+    down = p.tick().snapshot  # the second in a row: unhealthy, the healthy set changed
     assert down.bumped and down.epoch > first.epoch and down.n_healthy == 1
     assert not p.tick().snapshot.bumped
     e2.route("GET", "/metrics", text(sglang_metrics(10_000, 100)))
@@ -258,6 +260,8 @@ def test_no_snapshot_when_router_unreachable_or_all_engines_down(redis_url, serv
     assert not r.wrote and r.reason == "router_unreachable" and r.discovery_error
     router.route("GET", "/workers", js({"workers": [{"url": e.url, "is_healthy": True}]}))
     e.route("GET", "/metrics", html(500))
+    assert p.tick().wrote  # its first failed scrape: the last numbers stand in
+    ts = gate.redis.hget(gate.key("snapshot"), "ts_ms")
     r = p.tick()
     assert not r.wrote and r.reason == "no_healthy_engine"
     assert gate.redis.hget(gate.key("snapshot"), "ts_ms") == ts  # nothing written: it goes stale
@@ -455,3 +459,60 @@ def test_an_async_tick_does_not_stop_the_event_loop_on_a_slow_redis_call(redis_u
     t0, t1 = spans[0]
     during = [b for b in beats if t0 < b < t1]
     assert len(during) >= 3, f"the loop ran {len(during)} times during a 0.3 s Redis call"
+
+
+def test_one_failed_scrape_does_not_end_every_window(redis_url, servers):
+    # a timeout of one engine must not change the healthy set: that bumps the epoch, which
+    # ends every session's ownership window (and the recovery a tick later bumps it again)
+    e1 = servers(sglang_metrics(10_000, 100))
+    e2 = servers(sglang_metrics(20_000, 500))
+    gate = make_gate(redis_url)
+    p = Poller(gate, engines=[e1.url, e2.url])
+    first = p.tick().snapshot
+    last_used = 500
+    for k in range(3):  # failures that never come twice in a row
+        e2.route("GET", "/metrics", html(502))
+        r = p.tick()
+        assert r.errors[e2.url] and r.wrote
+        st = {s.engine_id: s for s in r.states}[e2.url]
+        assert st.healthy and st.capacity_tokens == 20_000 and st.used_tokens == last_used  # its last numbers
+        last_used = 600 + k
+        e2.route("GET", "/metrics", text(sglang_metrics(20_000, last_used)))
+        assert p.tick().snapshot.epoch == first.epoch
+    assert gate.status()["epoch"] == first.epoch
+    assert p.status()["scrapes_bridged"] == 3 and p.status()["scrape_errors"] == 3
+
+
+def test_what_counts_as_unhealthy_at_once(redis_url, servers):
+    good = servers(sglang_metrics(10_000, 100))
+    sick = servers(sglang_metrics(10_000, 100))
+    router = servers()
+    workers = [{"url": good.url, "is_healthy": True}, {"url": sick.url, "is_healthy": True}]
+    router.route("GET", "/workers", js({"workers": workers}))
+    gate = make_gate(redis_url)
+    p = Poller(gate, router=router.url)
+    assert p.tick().snapshot.n_healthy == 2
+    # the router's own verdict is not a blip
+    router.route("GET", "/workers", js({"workers": [workers[0], {"url": sick.url, "is_healthy": False}]}))
+    assert p.tick().snapshot.n_healthy == 1
+    # back in the router's list, but its scrape fails: there are no recent numbers to stand in
+    router.route("GET", "/workers", js({"workers": workers}))
+    sick.route("GET", "/metrics", html(502))
+    assert p.tick().snapshot.n_healthy == 1
+    # an engine never scraped successfully is unhealthy from its first failure
+    new = servers()
+    new.route("GET", "/metrics", html(500))
+    router.route("GET", "/workers", js({"workers": workers + [{"url": new.url, "is_healthy": True}]}))
+    r = p.tick()
+    assert {s.engine_id: s.healthy for s in r.states}[new.url] is False
+    # unhealthy_after=1: every failed scrape counts at once, as before
+    q = Poller(make_gate(redis_url, name="pg1"), engines=[good.url], unhealthy_after=1)
+    assert q.tick().snapshot.n_healthy == 1
+    good.route("GET", "/metrics", html(502))
+    assert q.tick().reason == "no_healthy_engine"
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_unhealthy_after_must_be_a_positive_int(redis_url, bad):
+    with pytest.raises(ValueError, match="unhealthy_after"):
+        Poller(make_gate(redis_url), engines=["http://127.0.0.1:1"], unhealthy_after=bad)
