@@ -178,10 +178,12 @@ class GateBase:
                               capacity_tokens=int(r["capacity"]), usage=float(r["usage"]),
                               n_healthy=int(r["n_healthy"]))
 
-    def _step_metrics(self, raw: dict | None) -> dict[str, float]:
+    def _step_metrics(self, raw: dict | None, drain: bool = True) -> dict[str, float]:
+        # a peek (drain=False) leaves this process's own counters for the step's real drain
         with self._local_lock:
             local = dict(self._local)
-            self._local.clear()
+            if drain:
+                self._local.clear()
         return build_step_metrics(raw, self.config, local)
 
     def _status(self, raw: dict, engines_json: Any, head: list, totals: dict) -> dict:

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Sequence
 import redis
 import redis.asyncio as aioredis
 
-from ._base import GateBase, LeaseBase, closable_urls, engine_urls_from
+from ._base import DEFERRED_BATCH, GateBase, LeaseBase, closable_urls, engine_urls_from
 from ._flow import BreakerOpen, Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow, check_session_id
 from .config import GateConfig
 from .errors import KvgateError
@@ -17,7 +17,8 @@ from .probe import UNAVAILABLE, ProbeResult, coerce
 from .snapshot import EngineState, SnapshotResult
 from ._aio import wait_for
 
-REDIS_ERRORS = (redis.RedisError, OSError, asyncio.TimeoutError)
+# RedisClusterException is a plain Exception in redis-py (see kvgate.gate)
+REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError, asyncio.TimeoutError)
 
 
 class AsyncLease(LeaseBase):
@@ -38,6 +39,7 @@ class _AsyncListener:
         self._gate = gate
         self._events: dict[str, asyncio.Event] = {}
         self._task: asyncio.Task | None = None
+        self._closed = False  # set by close(): never subscribe again
 
     def register(self, ticket: str) -> asyncio.Event:
         ev = asyncio.Event()
@@ -48,7 +50,7 @@ class _AsyncListener:
         self._events.pop(ticket, None)
 
     def ensure_started(self) -> bool:
-        if self._task is not None and not self._task.done():
+        if self._closed or (self._task is not None and not self._task.done()):
             return False
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvgate-pubsub")
         return True
@@ -88,11 +90,12 @@ class _AsyncListener:
                 ev.set()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        self._closed = True  # before the await: a waiter must not start another task meanwhile
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
             with contextlib.suppress(BaseException):
-                await wait_for(self._task, 2.0)
-            self._task = None
+                await wait_for(task, 2.0)
 
 
 class AsyncGate(GateBase):
@@ -114,12 +117,17 @@ class AsyncGate(GateBase):
         kw.update(redis_kwargs)
         if cluster:
             from redis.asyncio.cluster import RedisCluster
+            from redis.asyncio.retry import Retry
+            from redis.backoff import NoBackoff
+
+            kw.setdefault("retry", Retry(NoBackoff(), 0))  # see Gate.from_url
             client = RedisCluster.from_url(url, **kw)
         else:
             client = aioredis.Redis.from_url(url, **kw)
         return cls(client, gate=gate, config=cfg, probe=probe)
 
     async def aclose(self) -> None:
+        await self._flush_at_close()
         await self._listener.close()
         with contextlib.suppress(Exception):
             await self.redis.aclose()
@@ -129,6 +137,16 @@ class AsyncGate(GateBase):
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
+
+    async def _flush_at_close(self) -> None:
+        """See ``Gate._flush_at_close``."""
+        if not self._deferred or self._breaker_open():
+            return
+        with contextlib.suppress(Exception):
+            for _ in range(-(-len(self._deferred) // DEFERRED_BATCH)):
+                if not self._deferred:
+                    break
+                await self._flush_deferred()
 
     async def _eval(self, name: str, params: dict) -> dict:
         if self._breaker_open():
@@ -390,4 +408,4 @@ class AsyncGate(GateBase):
             raw = await self._eval("drain_stats", {"drain": 1 if drain else 0})
         except RedisDown:
             raw = None
-        return self._step_metrics(raw)
+        return self._step_metrics(raw, drain)

@@ -9,14 +9,18 @@ import warnings
 from typing import Any, Iterator, Sequence
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from ._base import GateBase, LeaseBase, closable_urls, engine_urls_from
+from ._base import DEFERRED_BATCH, GateBase, LeaseBase, closable_urls, engine_urls_from
 from ._flow import BreakerOpen, Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow, check_session_id
 from .config import GateConfig
 from .probe import UNAVAILABLE, ProbeResult, coerce
 from .snapshot import EngineState, SnapshotResult
 
-REDIS_ERRORS = (redis.RedisError, OSError)
+# RedisClusterException is a plain Exception in redis-py (not a RedisError): a cluster client
+# raises it when no node answers while it rebuilds its node map
+REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 #: threads that run a blocking probe; a probe still running past its timeout keeps its thread
 PROBE_THREADS = 4
@@ -45,6 +49,7 @@ class _Listener:
         self._thread = None
         self._pubsub = None
         self._retry_at = 0.0                 # no resubscribe before this (monotonic) after a failure
+        self._closed = False                 # set by close(): never subscribe again
 
     def register(self, ticket: str) -> threading.Event:
         ev = threading.Event()
@@ -77,12 +82,12 @@ class _Listener:
         re-checks once, so no grant published before the subscription is missed). False while
         it runs, while another thread is starting it, and for a while after a failed start:
         waiters then poll, they never spin on Redis."""
-        if self._thread is not None and self._thread.is_alive():
+        if self._closed or (self._thread is not None and self._thread.is_alive()):
             return False
         if not self._start_lock.acquire(blocking=False):
             return False
         try:
-            if self._thread is not None and self._thread.is_alive():
+            if self._closed or (self._thread is not None and self._thread.is_alive()):
                 return False
             if time.monotonic() < self._retry_at:
                 return False
@@ -112,6 +117,7 @@ class _Listener:
 
     def close(self) -> None:
         with self._start_lock:
+            self._closed = True  # a waiter still polling must not subscribe again
             t, self._thread = self._thread, None
             ps, self._pubsub = self._pubsub, None
         if t is not None:
@@ -173,12 +179,17 @@ class Gate(GateBase):
         kw = dict(socket_connect_timeout=cfg.redis_timeout_s, socket_timeout=cfg.redis_timeout_s)
         kw.update(redis_kwargs)
         if cluster:
+            # RedisCluster retries timeouts 10 times with backoff by default: a stalled primary
+            # would hold each call ~14 s instead of redis_timeout_s (the breaker then degrades
+            # turns, and the next call after it reads the new topology)
+            kw.setdefault("retry", Retry(NoBackoff(), 0))
             client = redis.RedisCluster.from_url(url, **kw)
         else:
             client = redis.Redis.from_url(url, **kw)
         return cls(client, gate=gate, config=cfg, probe=probe)
 
     def close(self) -> None:
+        self._flush_at_close()
         self._listener.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -190,6 +201,18 @@ class Gate(GateBase):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def _flush_at_close(self) -> None:
+        """Send the deferred releases and cancels before the process goes (bounded: one pass
+        over the queue, stopping at the first fault); otherwise their leases and windows would
+        stay charged in the shared ledger until lease_ttl_s."""
+        if not self._deferred or self._breaker_open():
+            return
+        with contextlib.suppress(Exception):
+            for _ in range(-(-len(self._deferred) // DEFERRED_BATCH)):
+                if not self._deferred:
+                    break
+                self._flush_deferred()
 
     # -- Redis ---------------------------------------------------------------------------
     def _eval(self, name: str, params: dict) -> dict:
@@ -217,6 +240,9 @@ class Gate(GateBase):
             except RedisDown as e:
                 self._undo_take(items[i:])
                 raise BreakerOpen(f"Redis faulted while sending deferred releases: {e}") from e
+            except BaseException:
+                self._undo_take(items[i:])  # never lose what was taken (KeyboardInterrupt, bugs)
+                raise
 
     # -- turns -----------------------------------------------------------------------------
     def acquire(self, session_id: str, *, prompt_ids: Sequence[int] | None = None,
@@ -470,4 +496,4 @@ class Gate(GateBase):
             raw = self._eval("drain_stats", {"drain": 1 if drain else 0})
         except RedisDown:
             raw = None
-        return self._step_metrics(raw)
+        return self._step_metrics(raw, drain)

@@ -29,11 +29,12 @@ class FlakyRedis(fakeredis.FakeRedis):
 
     fail_before = 0
     fail_after = 0
+    before_exc: type = redis.ConnectionError  # what a fail_before raises
 
     def evalsha(self, *args, **kw):
         if self.fail_before:
             self.fail_before -= 1
-            raise redis.ConnectionError("injected: not sent")
+            raise self.before_exc("injected: not sent")
         r = super().evalsha(*args, **kw)
         if self.fail_after:
             self.fail_after -= 1
@@ -44,11 +45,12 @@ class FlakyRedis(fakeredis.FakeRedis):
 class AsyncFlakyRedis(fakeredis.aioredis.FakeRedis):
     fail_before = 0
     fail_after = 0
+    before_exc: type = redis.ConnectionError
 
     async def evalsha(self, *args, **kw):
         if self.fail_before:
             self.fail_before -= 1
-            raise redis.ConnectionError("injected: not sent")
+            raise self.before_exc("injected: not sent")
         r = await super().evalsha(*args, **kw)
         if self.fail_after:
             self.fail_after -= 1
@@ -376,3 +378,99 @@ def test_config_refuses_malformed_engine_urls_and_huge_decode_cap():
     with pytest.raises(ValueError, match="expected_decode_cap"):
         kvgate.GateConfig(expected_decode_cap=2**31)
     kvgate.GateConfig(engine_urls=("http://engine:30000/",), expected_decode_cap=2**31 - 1)
+
+
+# -- fixes from a review of the client (2026-12-02) ---------------------------------------------
+def test_a_cluster_that_cannot_be_reached_degrades_and_defers(clock):
+    # redis-py's RedisClusterException ("Redis Cluster cannot be connected") is a plain
+    # Exception, not a RedisError: it escaped acquire and release into the agent loop, and the
+    # release was lost (its lease stayed charged until lease_ttl_s)
+    from redis.exceptions import RedisClusterException
+    g = sync_gate(clock)
+    g.write_snapshot(engines())
+    g.redis.before_exc = RedisClusterException
+    lease = g.acquire("a", prompt_tokens=10, max_new_tokens=0, **PLAIN)  # admitted, then the cluster goes
+    g.redis.fail_before = 1
+    assert lease.release() is not None  # no exception
+    assert g.deferred_count == 1 and ledger(g) == 10
+    close_breaker(g)
+    g.redis.fail_before = 1
+    assert g.acquire("b", prompt_tokens=10, max_new_tokens=0, **PLAIN).reason == "degraded"
+
+    async def go():
+        server = fakeredis.FakeServer()
+        ag = kvgate.AsyncGate(AsyncFlakyRedis(server=server), gate="g",
+                              config=kvgate.GateConfig(**FAST), clock_ms=clock)
+        await ag.write_snapshot(engines())
+        ag.redis.before_exc = RedisClusterException
+        lease = await ag.acquire("a", prompt_tokens=10, max_new_tokens=0, **PLAIN)
+        ag.redis.fail_before = 1
+        await lease.release()
+        assert ag.deferred_count == 1
+        ag._breaker_until = 0.0
+        ag.redis.fail_before = 1
+        assert (await ag.acquire("b", prompt_tokens=10, max_new_tokens=0, **PLAIN)).reason == "degraded"
+        await ag.aclose()
+
+    asyncio.run(go())
+
+
+def test_cluster_clients_from_url_do_not_retry_timeouts():
+    # RedisCluster retries timeouts 10 times with backoff by default (~14 s per call on a
+    # stalled primary); from_url's clients get redis_timeout_s and no retries, as the plain one
+    import redis.asyncio.cluster as acluster
+    seen = {}
+
+    def fake(cls_name):
+        def from_url(url, **kw):
+            seen[cls_name] = kw
+            raise RuntimeError("stop here")  # no cluster to connect to: the kwargs are what counts
+        return from_url
+
+    orig_sync, orig_async = redis.RedisCluster.from_url, acluster.RedisCluster.from_url
+    redis.RedisCluster.from_url, acluster.RedisCluster.from_url = fake("sync"), fake("async")
+    try:
+        for cls in (kvgate.Gate, kvgate.AsyncGate):
+            with pytest.raises(RuntimeError, match="stop here"):
+                cls.from_url("redis://127.0.0.1:7000/0", gate="g", cluster=True)
+    finally:
+        redis.RedisCluster.from_url, acluster.RedisCluster.from_url = orig_sync, orig_async
+    for kw in seen.values():
+        assert kw["retry"].get_retries() == 0 and kw["socket_timeout"] == 1.0
+    assert set(seen) == {"sync", "async"}
+
+
+def test_a_flush_interrupted_by_anything_keeps_what_it_took(clock):
+    g = three_released_while_down(clock)
+    close_breaker(g)
+    g.redis.before_exc = KeyboardInterrupt
+    g.redis.fail_before = 1
+    with pytest.raises(KeyboardInterrupt):
+        g._flush_deferred()  # (the unit: an acquire's own cleanup would flush again at once)
+    assert g.deferred_count == 3 and ledger(g) == 30  # none lost; sent at the next call
+    g.redis.before_exc = redis.ConnectionError
+    g.acquire("t", prompt_tokens=1, max_new_tokens=0, **PLAIN).release()
+    assert g.deferred_count == 0 and ledger(g) == 0
+
+
+def test_close_sends_what_was_deferred_and_never_subscribes_again(clock):
+    server = fakeredis.FakeServer()
+    g = kvgate.Gate(FlakyRedis(server=server), gate="g", config=kvgate.GateConfig(**FAST), clock_ms=clock)
+    g.write_snapshot(engines())
+    leases = [g.acquire(f"s{i}", prompt_tokens=10, max_new_tokens=0, **PLAIN) for i in range(3)]
+    g._trip()
+    for lease in leases:
+        lease.release()
+    assert g.deferred_count == 3
+    close_breaker(g)  # Redis is back by the time the process closes its gate
+    g.close()
+    assert int(fakeredis.FakeRedis(server=server).hget(g.key("ledger"), "reserved") or 0) == 0
+    assert g._listener.ensure_started() is False  # a waiter still polling must not resubscribe
+
+    async def go():
+        ag = kvgate.AsyncGate(fakeredis.aioredis.FakeRedis(server=server), gate="g",
+                              config=kvgate.GateConfig(**FAST), clock_ms=clock)
+        await ag.aclose()
+        assert ag._listener.ensure_started() is False
+
+    asyncio.run(go())

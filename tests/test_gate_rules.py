@@ -1252,3 +1252,13 @@ def test_a_waiter_ages_from_when_its_attempt_began(backend, clock):
     clock.advance(0.6)  # 2.1 s since A began, 1.6 s since it enqueued
     r = script(g, "acquire", ticket="A", session="s", need=10, probe=-2)
     assert (r["o"], r["r"]) == ("bypass", "aged")  # (retain off: aged means bypass)
+
+
+def test_a_peek_at_step_metrics_keeps_this_process_counts(backend):
+    # pass-throughs are counted in this process (rule 1 touches no Redis): a dashboard's
+    # peek (drain=False) must leave them for the step's real drain
+    g = mkgate(backend, admission=False, residency=False)
+    g.acquire("s", prompt_tokens=1, max_new_tokens=1).release()
+    assert g.step_metrics(drain=False)["agentic_kv/admission/pass_through"] == 1
+    assert g.step_metrics()["agentic_kv/admission/pass_through"] == 1
+    assert g.step_metrics()["agentic_kv/admission/pass_through"] == 0
