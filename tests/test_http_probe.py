@@ -409,3 +409,87 @@ def test_async_url_sources_are_awaited_by_aprobe(engines):
     with HttpProbe(urls, timeout_s=2.0) as probe:  # sync probe() cannot await: unavailable, says why
         r = probe.probe("s", PROMPT)
     assert r.hit_ratio is None and "aprobe" in r.detail
+
+
+# ------------------------------------------------------------------ fixes from a review (2026-12-02)
+def test_one_engine_with_an_unusable_url_does_not_discard_the_others(engines):
+    # httpx.InvalidURL (port out of range) is not an httpx.HTTPError: it used to escape the
+    # worker and fail the whole probe, dropping the good engine's answer
+    good = engines(6)
+    with HttpProbe([good.url, "http://127.0.0.1:99999"], timeout_s=2.0) as probe:
+        res = probe.probe("s", PROMPT)
+
+        async def go():
+            return await probe.aprobe("s", PROMPT)
+
+        ares = asyncio.run(go())
+    for r in (res, ares):
+        assert r.cached_blocks == 6 and "127.0.0.1:99999" in r.detail
+
+
+def test_leading_hit_allows_the_block_eagle_drops():
+    from kvgate.integrations.vllm_plugin import leading_hit
+    bs, total = 16, 64 * 16
+    looked: list[int] = []
+
+    def eagle_engine(upto):  # everything cached; EAGLE/MTP drops the last matched block
+        looked.append(upto)
+        return upto - bs
+
+    assert leading_hit(eagle_engine, lambda a, b: None, total, 8 * bs, bs) == total - bs
+    assert looked == [128, 256, 512, 1024]  # chunks of 8, 16, 32, 64 blocks
+    looked.clear()
+
+    def cold_after_3(upto):
+        looked.append(upto)
+        return min(upto, 3 * bs)
+
+    assert leading_hit(cold_after_3, lambda a, b: None, total, 8 * bs, bs) == 3 * bs
+    assert looked == [128]  # a cold prompt costs one small chunk
+
+
+def test_probe_of_an_engine_without_prefix_caching_is_unavailable_not_cold():
+    from types import SimpleNamespace
+
+    from kvgate.integrations.vllm_plugin import kvgate_probe
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=16),
+                          parallel_config=SimpleNamespace(data_parallel_rank=0))
+    off = SimpleNamespace(scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(enable_caching=False)),
+                          request_block_hasher=None, vllm_config=cfg)
+    with pytest.raises(RuntimeError, match="prefix caching is off"):
+        kvgate_probe(off, list(range(64)))
+
+
+def test_register_routes_with_an_app_reads_the_token_and_timeout(monkeypatch, caplog):
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
+
+    from kvgate.integrations import vllm_plugin as vp
+    monkeypatch.setenv(vp.TOKEN_ENV, "s3cret")
+    app = Starlette()
+    assert vp.register_routes(app) is None
+    with TestClient(app) as c:
+        assert c.post("/kvgate/probe", json={"prompt_ids": [1, 2]}).status_code == 401
+        assert c.get("/kvgate/usage").status_code == 401
+    # a route timeout that is not a number of seconds: a warning and 5 s, never a failed start-up
+    for raw in ("inf", "0", "-3", "soon", "nan"):
+        monkeypatch.setenv(vp.SERVER_TIMEOUT_ENV, raw)
+        with caplog.at_level("WARNING", logger=vp.logger.name):
+            assert vp.KvgateEndpointPlugin().timeout_s == 5.0
+        assert vp.SERVER_TIMEOUT_ENV in caplog.text
+    monkeypatch.setenv(vp.SERVER_TIMEOUT_ENV, "2.5")
+    assert vp.KvgateEndpointPlugin().timeout_s == 2.5
+    with pytest.raises(ValueError, match="route timeout"):
+        vp.KvgateEndpointPlugin(timeout_s=0)
+
+
+def test_in_process_usage_on_the_engines_own_loop_fails_fast():
+    from kvgate.integrations.vllm import InProcessVllmProbe
+
+    async def go():
+        probe = InProcessVllmProbe(StandInEngineCore([1]), timeout_s=0.5, loop=asyncio.get_running_loop())
+        with pytest.raises(RuntimeError, match="own event loop"):
+            probe.usage()  # blocking here would stall the loop that must answer it
+        return await probe.ausage()
+
+    assert asyncio.run(go())["engine"] == "dp0"

@@ -166,8 +166,10 @@ class HttpProbe:
             return self._decode(url, client.post(url + self.path, content=body, headers=_JSON), n)
         except httpx.TimeoutException:
             return "timeout"
-        except (httpx.HTTPError, ValueError) as e:
-            return f"{e.__class__.__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+        except ValueError as e:
+            return str(e)
+        except Exception as e:  # noqa: BLE001 - httpx.InvalidURL, a client closed meanwhile: this engine only
+            return f"{e.__class__.__name__}: {e}"
 
     def probe(self, session_id: str, prompt_ids: Sequence[int]) -> ProbeResult:
         check_session_id(session_id)
@@ -210,8 +212,10 @@ class HttpProbe:
             return self._decode(url, await client.post(url + self.path, content=body, headers=_JSON), n)
         except httpx.TimeoutException:
             return "timeout"
-        except (httpx.HTTPError, ValueError) as e:
-            return f"{e.__class__.__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+        except ValueError as e:
+            return str(e)
+        except Exception as e:  # noqa: BLE001 - httpx.InvalidURL, a client closed meanwhile: this engine only
+            return f"{e.__class__.__name__}: {e}"
 
     async def aprobe(self, session_id: str, prompt_ids: Sequence[int]) -> ProbeResult:
         check_session_id(session_id)

@@ -178,8 +178,18 @@ class InProcessVllmProbe:
             return merge_usage(self._sync_call(USAGE_METHOD, (), self.timeout_s))
         if self.loop is None:
             raise RuntimeError("usage() on an AsyncLLM needs loop=; use ausage()")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:  # blocking here would stall the engine's loop until the timeout
+            raise RuntimeError("usage() called on the engine's own event loop; use ausage()")
         fut = asyncio.run_coroutine_threadsafe(self._async_call(USAGE_METHOD, ()), self.loop)
-        return merge_usage(fut.result(timeout=self.timeout_s))
+        try:
+            return merge_usage(fut.result(timeout=self.timeout_s))
+        except BaseException:
+            fut.cancel()
+            raise
 
     async def ausage(self) -> dict:
         from kvgate.integrations.vllm_plugin import merge_usage

@@ -108,6 +108,23 @@ def _hit_tokens(kvm: Any, hashes: list, max_len: int, block_size: int) -> int:
         return n * block_size
 
 
+def leading_hit(lookup: Any, extend: Any, total_tokens: int, first_chunk: int, block_size: int) -> int:
+    """Leading cached tokens of a prompt of ``total_tokens`` (whole blocks), looked up in growing
+    chunks (``first_chunk``, then doubling): ``lookup(upto)`` is the engine's hit over the first
+    ``upto`` tokens, ``extend(a, b)`` hashes tokens ``a:b`` onto the lookup's blocks. Stops at the
+    first chunk that is not fully cached, so a cold prompt costs one small chunk, not the whole
+    prompt. One block of slack: with EAGLE/MTP speculative decoding vLLM drops the last matched
+    block of every lookup (``drop_eagle_block``), so a fully cached chunk reads one block short."""
+    upto = first_chunk
+    while True:
+        hit = lookup(upto)
+        if hit + block_size < upto or upto >= total_tokens:
+            return hit
+        nxt = min(total_tokens, upto * 2)
+        extend(upto, nxt)
+        upto = nxt
+
+
 def kvgate_probe(self, prompt_ids: Any, cache_salt: Any = None) -> dict:
     """Leading full blocks of `prompt_ids` present in the prefix cache (EngineCore utility method)."""
     ids = check_prompt_ids(prompt_ids)
@@ -120,25 +137,21 @@ def kvgate_probe(self, prompt_ids: Any, cache_salt: Any = None) -> dict:
            "hit_ratio": 0.0, "block_size": bs, "engine": _engine_id(self)}
     kvm = getattr(self.scheduler, "kv_cache_manager", None)
     hasher = getattr(self, "request_block_hasher", None)
-    if kvm is None or hasher is None or not getattr(kvm, "enable_caching", True) or total_blocks == 0:
+    if kvm is None or hasher is None or not getattr(kvm, "enable_caching", True):
+        # no prefix cache to ask: "unavailable" (SPEC rule 8 fails open), not "cold"
+        raise RuntimeError("prefix caching is off in this engine (--enable-prefix-caching)")
+    if total_blocks == 0:
         return out
 
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    # Hash in growing chunks (8, 16, 32, ... blocks) with the engine's own hasher and stop at the first
-    # chunk that is not fully cached: cold prompts cost one small chunk instead of the whole prompt.
     chunk = min(total_blocks, _FIRST_CHUNK_BLOCKS) * bs
     req = Request("kvgate-probe", ids[:chunk], sampling_params=SamplingParams(max_tokens=1),
                   pooling_params=None, block_hasher=hasher, cache_salt=cache_salt)
-    upto = chunk
-    while True:
-        hit = _hit_tokens(kvm, req.block_hashes, upto, bs)
-        if hit < upto or upto >= total_blocks * bs:
-            break
-        nxt = min(total_blocks * bs, upto * 2)
-        req.append_output_token_ids(ids[upto:nxt])  # extends block_hashes via the engine's hasher
-        upto = nxt
+    hit = leading_hit(lambda upto: _hit_tokens(kvm, req.block_hashes, upto, bs),
+                      lambda a, b: req.append_output_token_ids(ids[a:b]),  # extends block_hashes
+                      total_blocks * bs, chunk, bs)
     cached_blocks = min(hit // bs, total_blocks)
     out["cached_blocks"] = cached_blocks
     out["cached_tokens"] = cached_blocks * bs
@@ -200,8 +213,14 @@ class KvgateEndpointPlugin:
 
     def __init__(self, timeout_s: float | None = None, token: str | None = None):
         if timeout_s is None:
-            timeout_s = float(os.environ.get(SERVER_TIMEOUT_ENV, "5.0"))
-        self.timeout_s = timeout_s
+            raw = os.environ.get(SERVER_TIMEOUT_ENV, "5.0")
+            try:
+                timeout_s = _route_timeout(float(raw))
+            except ValueError:  # never break the API server's start-up over it: say so, use 5 s
+                logger.warning("kvgate: %s=%r is not a number of seconds in (0, 3600]; using 5.0",
+                               SERVER_TIMEOUT_ENV, raw)
+                timeout_s = 5.0
+        self.timeout_s = _route_timeout(timeout_s)
         self.token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
 
     def attach_router(self, app: Any) -> None:
@@ -209,6 +228,13 @@ class KvgateEndpointPlugin:
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         state.kvgate_engine_client = engine_client
+
+
+def _route_timeout(v: Any) -> float:
+    """The routes' bound on an engine's answer: a finite number of seconds in (0, 3600]."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= 3600):
+        raise ValueError(f"route timeout must be a number of seconds in (0, 3600], got {v!r}")
+    return float(v)
 
 
 def _engine_core_of(app: Any) -> Any:
@@ -294,5 +320,5 @@ def register_routes(app: Any = None) -> KvgateEndpointPlugin | None:
     """
     if app is None:
         return KvgateEndpointPlugin()
-    attach_routes(app)
+    KvgateEndpointPlugin().attach_router(app)  # the token and timeout from the environment, as the plugin
     return None
