@@ -95,6 +95,15 @@ class GateBase:
             self._defer(ticket, "cancel", params if script == "cancel" else {"ticket": ticket})
         return sent
 
+    def _close_flushes(self) -> int:
+        """How many flushes close() makes: one pass over the deferred releases and cancels when
+        the breaker is closed (each stops at the first fault), so a process that ends right
+        after a blip does not leave its last leases charged in the shared ledger until
+        lease_ttl_s; none while the breaker is open (close() must not wait on a dead Redis)."""
+        if not self._deferred or self._breaker_open():
+            return 0
+        return -(-len(self._deferred) // DEFERRED_BATCH)
+
     def _take_deferred(self) -> list[tuple[str, str, dict]]:
         with self._local_lock:
             out = []

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Sequence
 import redis
 import redis.asyncio as aioredis
 
-from ._base import DEFERRED_BATCH, GateBase, LeaseBase, closable_urls, engine_urls_from
+from ._base import GateBase, LeaseBase, closable_urls, engine_urls_from
 from ._flow import BreakerOpen, Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow, check_session_id
 from .config import GateConfig
 from .errors import KvgateError
@@ -139,13 +139,9 @@ class AsyncGate(GateBase):
         await self.aclose()
 
     async def _flush_at_close(self) -> None:
-        """See ``Gate._flush_at_close``."""
-        if not self._deferred or self._breaker_open():
-            return
+        """See ``GateBase._close_flushes``."""
         with contextlib.suppress(Exception):
-            for _ in range(-(-len(self._deferred) // DEFERRED_BATCH)):
-                if not self._deferred:
-                    break
+            for _ in range(self._close_flushes()):
                 await self._flush_deferred()
 
     async def _eval(self, name: str, params: dict) -> dict:

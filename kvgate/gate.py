@@ -12,7 +12,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ._base import DEFERRED_BATCH, GateBase, LeaseBase, closable_urls, engine_urls_from
+from ._base import GateBase, LeaseBase, closable_urls, engine_urls_from
 from ._flow import BreakerOpen, Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow, check_session_id
 from .config import GateConfig
 from .probe import UNAVAILABLE, ProbeResult, coerce
@@ -203,15 +203,9 @@ class Gate(GateBase):
         self.close()
 
     def _flush_at_close(self) -> None:
-        """Send the deferred releases and cancels before the process goes (bounded: one pass
-        over the queue, stopping at the first fault); otherwise their leases and windows would
-        stay charged in the shared ledger until lease_ttl_s."""
-        if not self._deferred or self._breaker_open():
-            return
+        """See ``GateBase._close_flushes``."""
         with contextlib.suppress(Exception):
-            for _ in range(-(-len(self._deferred) // DEFERRED_BATCH)):
-                if not self._deferred:
-                    break
+            for _ in range(self._close_flushes()):
                 self._flush_deferred()
 
     # -- Redis ---------------------------------------------------------------------------
