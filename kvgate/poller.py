@@ -438,6 +438,10 @@ class Poller:
         that bumps the epoch, which ends every ownership window of every session, and the
         engine's recovery a tick later bumps it again. The router's own verdict (unhealthy,
         draining) and an engine never scraped successfully count at once."""
+        seen = {s.endpoint.url for s in scrapes}
+        for url in [u for u in self._last_good if u not in seen]:  # left the engine list:
+            del self._last_good[url]                                # its numbers are no one's now
+            self._failed_in_a_row.pop(url, None)
         out = []
         for s in scrapes:
             url = s.endpoint.url

@@ -499,6 +499,17 @@ def test_what_counts_as_unhealthy_at_once(redis_url, servers):
     router.route("GET", "/workers", js({"workers": workers}))
     sick.route("GET", "/metrics", html(502))
     assert p.tick().snapshot.n_healthy == 1
+    # an engine that left the router's list comes back with no numbers to stand in
+    router.route("GET", "/workers", js({"workers": [workers[0]]}))
+    sick.route("GET", "/metrics", text(sglang_metrics(10_000, 100)))
+    assert p.tick().snapshot.n_healthy == 1
+    router.route("GET", "/workers", js({"workers": workers}))
+    assert p.tick().snapshot.n_healthy == 2  # scraped fine: a number to stand in, for the next blip
+    router.route("GET", "/workers", js({"workers": [workers[0]]}))
+    p.tick()
+    router.route("GET", "/workers", js({"workers": workers}))
+    sick.route("GET", "/metrics", html(502))
+    assert p.tick().snapshot.n_healthy == 1
     # an engine never scraped successfully is unhealthy from its first failure
     new = servers()
     new.route("GET", "/metrics", html(500))
