@@ -8,6 +8,8 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Sequence
 
+import redis
+
 from . import keys as _keys
 from ._flow import BreakerOpen, Decision, TurnRequest, build_request, knob_params
 from .config import GateConfig
@@ -25,6 +27,10 @@ MAX_TRACKED_SESSIONS = 65536
 
 #: releases and cancels that could not reach Redis, kept to send once it answers again
 #: (oldest dropped past this: their leases are then reclaimed by ``lease_ttl_s``)
+# what counts as a Redis fault for both drivers (the async one adds its own deadline).
+# RedisClusterException is a plain Exception in redis-py, not a RedisError: a cluster client
+# raises it when no node answers while it rebuilds its node map
+REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 MAX_DEFERRED = 4096
 
 #: most deferred operations one call sends before its own script

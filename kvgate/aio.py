@@ -6,9 +6,9 @@ import contextlib
 import time
 from typing import Any, AsyncIterator, Sequence
 
-import redis
 import redis.asyncio as aioredis
 
+from . import _base
 from ._base import GateBase, LeaseBase, closable_urls, engine_urls_from
 from ._flow import BreakerOpen, Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow, check_session_id
 from .config import GateConfig
@@ -17,8 +17,7 @@ from .probe import UNAVAILABLE, ProbeResult, coerce
 from .snapshot import EngineState, SnapshotResult
 from ._aio import wait_for
 
-# RedisClusterException is a plain Exception in redis-py (see kvgate.gate)
-REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError, asyncio.TimeoutError)
+REDIS_ERRORS = _base.REDIS_ERRORS + (asyncio.TimeoutError,)  # and the call deadline
 
 
 class AsyncLease(LeaseBase):

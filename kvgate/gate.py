@@ -12,15 +12,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ._base import GateBase, LeaseBase, closable_urls, engine_urls_from
+from ._base import REDIS_ERRORS, GateBase, LeaseBase, closable_urls, engine_urls_from
 from ._flow import BreakerOpen, Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow, check_session_id
 from .config import GateConfig
 from .probe import UNAVAILABLE, ProbeResult, coerce
 from .snapshot import EngineState, SnapshotResult
 
-# RedisClusterException is a plain Exception in redis-py (not a RedisError): a cluster client
-# raises it when no node answers while it rebuilds its node map
-REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 #: threads that run a blocking probe; a probe still running past its timeout keeps its thread
 PROBE_THREADS = 4

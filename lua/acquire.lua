@@ -187,9 +187,9 @@ local max_wait = num(P.max_wait_ms, 30000)
 -- a waiter ages after wait_cost_ratio x the time to prefill its whole prompt cold, if sooner
 local cost_wait = cost_wait_ms(snap, need)
 if cost_wait then max_wait = math.min(max_wait, cost_wait) end
--- a waiter's age counts from when its attempt began (b: before a probe round trip), as the
--- caller's own deadline does, else the caller re-checks in a tight loop until the script agrees
-local since = w and num(w.b, w.e) or NOW
+-- (aging from the attempt's start, not the enqueue: else the caller, whose deadline counts
+-- from its first call, re-checks in a tight loop until the script agrees)
+local since = w and waiter_since(w) or NOW
 if P.age == 1 or (w and NOW - since >= max_wait) or (not w and max_wait <= 0) then
   if P.adm == 1 and P.res == 1 and P.retain == 1 then
     -- aged, both features on: the turn enters with a lease and a window instead of running
@@ -236,5 +236,5 @@ if g then
   redis.call("ZADD", K.lease_exp, I(NOW + num(P.ttl_ms, 600000)), ticket)
   return out("admit", g.r, { w = g.a - g.e, t = g.t })
 end
-return out("wait", reason, { w = NOW - num(w.b, w.e), pos = redis.call("ZRANK", K.fifo, ticket),
+return out("wait", reason, { w = NOW - waiter_since(w), pos = redis.call("ZRANK", K.fifo, ticket),
   mw = math.floor(max_wait) })

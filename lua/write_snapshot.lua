@@ -67,7 +67,7 @@ if snap.fresh and cost_wait_ms(snap, 0) then
   for _, t in ipairs(redis.call("ZRANGE", K.fifo, 0, num(P.reap, 8) - 1)) do
     local w = jget(K.waiters, t)
     local b = w and w.st == "w" and cost_wait_ms(snap, num(w.n, 0))
-    if b and NOW - num(w.b, w.e) >= b then
+    if b and NOW - waiter_since(w) >= b then
       publish("a " .. t)
     end
   end

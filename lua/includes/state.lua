@@ -32,6 +32,12 @@ local function block_reason(snap, need)
   return nil
 end
 
+-- when a waiter's wait began, for its age (max_wait_s): when its attempt began (b, before a
+-- probe round trip), as the caller's own deadline counts, else when it entered the FIFO (e)
+local function waiter_since(w)
+  return num(w.b, w.e)
+end
+
 local function drop_waiter(ticket, w)
   redis.call("ZREM", K.fifo, ticket)
   redis.call("HDEL", K.waiters, ticket)
