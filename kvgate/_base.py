@@ -46,7 +46,9 @@ class GateBase:
                  clock_ms: Callable[[], int] | None):
         self.name = _keys.validate_gate_name(gate)
         if config is None:
-            config = GateConfig()
+            # no config given: the knobs come from KVGATE_* over the defaults (SPEC section 6;
+            # docs/decisions.md#config-from-env); GateConfig() is the way to ignore the env
+            config = GateConfig.from_env()
         if not isinstance(config, GateConfig):
             raise ValueError(f"config must be a kvgate.GateConfig, got {type(config).__name__}")
         self.config = config

@@ -111,7 +111,7 @@ class AsyncGate(GateBase):
     @classmethod
     def from_url(cls, url: str, gate: str, config: GateConfig | None = None, probe: Any = None,
                  cluster: bool = False, **redis_kwargs: Any) -> "AsyncGate":
-        cfg = config or GateConfig()
+        cfg = GateConfig.from_env() if config is None else config
         kw = dict(socket_connect_timeout=cfg.redis_timeout_s, socket_timeout=cfg.redis_timeout_s)
         kw.update(redis_kwargs)
         if cluster:

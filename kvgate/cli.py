@@ -60,7 +60,11 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
             continue
         overrides[f.name] = raw if isinstance(raw, bool) else parse_value(
             f.name, str(raw), "--" + f.name.replace("_", "-"))
-    return GateConfig.from_env(env, **overrides)
+    cfg = GateConfig.from_env(env, **overrides)
+    # from_env reads a None override as "not given"; a flag that parsed to None
+    # (--expected-decode-cap none) was given, and beats the environment
+    given_none = {k: None for k, v in overrides.items() if v is None}
+    return dataclasses.replace(cfg, **given_none) if given_none else cfg
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,10 +102,15 @@ def _port(s: str) -> int:
 
 
 # -- parser --------------------------------------------------------------------------------
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def build_parser(*, with_bench: bool = False) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgate", description="Redis-backed KV admission gate for SGLang / vLLM")
-    p.add_argument("--log-level", default=os.environ.get("KVGATE_LOG_LEVEL", "INFO"),
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    # str.upper also applies to the default: KVGATE_LOG_LEVEL=info is INFO; argparse checks
+    # choices only for a flag given, so main() checks the value from the environment
+    p.add_argument("--log-level", type=str.upper, default=os.environ.get("KVGATE_LOG_LEVEL", "INFO"),
+                   choices=LOG_LEVELS)
     sub = p.add_subparsers(dest="command", metavar="{poller,status,top,bench}")
     sub.required = True
 
@@ -363,6 +372,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     parser = build_parser(with_bench=with_bench)
     args = parser.parse_args(argv)
+    if args.log_level not in LOG_LEVELS:
+        parser.error(f"KVGATE_LOG_LEVEL={os.environ.get('KVGATE_LOG_LEVEL')!r}: "
+                     f"expected one of {', '.join(LOG_LEVELS)}")
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO: thousands of lines per poller minute or bench run

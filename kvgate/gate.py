@@ -172,7 +172,7 @@ class Gate(GateBase):
     @classmethod
     def from_url(cls, url: str, gate: str, config: GateConfig | None = None, probe: Any = None,
                  cluster: bool = False, **redis_kwargs: Any) -> "Gate":
-        cfg = config or GateConfig()
+        cfg = GateConfig.from_env() if config is None else config
         kw = dict(socket_connect_timeout=cfg.redis_timeout_s, socket_timeout=cfg.redis_timeout_s)
         kw.update(redis_kwargs)
         if cluster:

@@ -44,6 +44,28 @@ def test_flags_override_env_and_env_overrides_defaults():
     assert cfg.max_wait_s == 3.0 and cfg.residency is True
 
 
+def test_flag_none_beats_env_for_the_decode_cap():
+    p = build_parser()
+    env = {"KVGATE_EXPECTED_DECODE_CAP": "512"}
+    assert config_from_args(p.parse_args(["status"]), env=env).expected_decode_cap == 512
+    args = p.parse_args(["status", "--expected-decode-cap", "none"])
+    assert config_from_args(args, env=env).expected_decode_cap is None
+
+
+@pytest.mark.parametrize("raw, level", [("info", "INFO"), ("Warning", "WARNING"), ("DEBUG", "DEBUG")])
+def test_log_level_from_env_any_case(raw, level, monkeypatch):
+    monkeypatch.setenv("KVGATE_LOG_LEVEL", raw)
+    assert build_parser().parse_args(["status"]).log_level == level
+
+
+def test_bad_log_level_from_env_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("KVGATE_LOG_LEVEL", "verbose")
+    with pytest.raises(SystemExit) as ei:
+        main(["status", "--redis", "redis://127.0.0.1:1/0", "--gate", "g"])
+    assert ei.value.code == 2
+    assert "KVGATE_LOG_LEVEL='verbose'" in capsys.readouterr().err
+
+
 def test_bad_knob_is_a_clear_error():
     p = build_parser()
     with pytest.raises(ValueError, match="headroom"):

@@ -78,6 +78,29 @@ def test_env_overrides():
     assert GateConfig.from_env({"KVGATE_OVERCOMMIT": "1.3"}).overcommit == 1.3
 
 
+@pytest.mark.parametrize("make", ["init", "from_url"])
+def test_a_client_without_config_reads_the_environment(make, monkeypatch):
+    import fakeredis
+
+    import kvgate
+    monkeypatch.setenv("KVGATE_MAX_WAIT_S", "7")
+    monkeypatch.setenv("KVGATE_GROWTH_RESERVE", "2")
+    for cls in (kvgate.Gate, kvgate.AsyncGate):
+        if make == "init":
+            r = fakeredis.FakeRedis() if cls is kvgate.Gate else fakeredis.FakeAsyncRedis()
+            g = cls(r, gate="g")
+        else:
+            g = cls.from_url("redis://127.0.0.1:1/0", gate="g")
+        assert (g.config.max_wait_s, g.config.growth_reserve) == (7.0, 2.0)
+        # an explicit config is taken as given, the environment aside
+        g2 = cls(fakeredis.FakeRedis() if cls is kvgate.Gate else fakeredis.FakeAsyncRedis(), gate="g",
+                 config=GateConfig())
+        assert g2.config.max_wait_s == 30.0
+    monkeypatch.setenv("KVGATE_MAX_WAIT_S", "soon")
+    with pytest.raises(ValueError, match="KVGATE_MAX_WAIT_S"):
+        kvgate.Gate(fakeredis.FakeRedis(), gate="g")
+
+
 @pytest.mark.parametrize("var, raw", [("KVGATE_MAX_WAIT_S", "soon"), ("KVGATE_ADMISSION", "maybe"),
                                       ("KVGATE_REAP_BATCH", "1.5"), ("KVGATE_HEADROOM", "2")])
 def test_env_errors_name_the_variable(var, raw):
