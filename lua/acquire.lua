@@ -75,25 +75,9 @@ end
 reap(num(P.reap, 8))
 if w and not jget(K.waiters, ticket) then w = nil end
 
--- rule 2: protected work never waits
-if P.protected == 1 then
-  if w then
-    drop_waiter(ticket, w)
-    advance(num(P.reap, 8), nil)
-  end
-  stat("bypass"); stat("bypass_protected")
-  return out("bypass", "protected")
-end
-
--- rule 3: no fresh snapshot (or no healthy engine) -> degraded bypass
-local snap = snapshot()
-if not snap.fresh then
-  if w then drop_waiter(ticket, w) end
-  stat("bypass"); stat("bypass_degraded")
-  return out("bypass", "degraded")
-end
-
--- a new attempt preempts the older waiting attempt of its session and takes its place
+-- a new attempt preempts the older waiting attempt of its session and takes its place; this
+-- comes before rules 2 and 3, so a protected or degraded retry also ends the stale attempt
+-- (its bypass then consumes the place it inherited, see out())
 local seq = nil
 if not w then
   local old = redis.call("HGET", K.session_waiter, session)
@@ -122,6 +106,23 @@ if not w then
       inherited = old
     end
   end
+end
+
+-- rule 2: protected work never waits
+if P.protected == 1 then
+  if w then drop_waiter(ticket, w) end
+  -- the FIFO lost this turn's record, or the stale attempt's place: the next head may fit now
+  if w or inherited then advance(num(P.reap, 8), nil) end
+  stat("bypass"); stat("bypass_protected")
+  return out("bypass", "protected")
+end
+
+-- rule 3: no fresh snapshot (or no healthy engine) -> degraded bypass
+local snap = snapshot()
+if not snap.fresh then
+  if w then drop_waiter(ticket, w) end
+  stat("bypass"); stat("bypass_degraded")
+  return out("bypass", "degraded")
 end
 
 -- what this turn is checked against the ledger with: a turn that would open a window (no
