@@ -1,6 +1,7 @@
 """What the sync and async gates share: naming, parameters, decoding, local counters."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import threading
@@ -14,6 +15,7 @@ from . import keys as _keys
 from ._flow import BreakerOpen, Decision, TurnRequest, build_request, knob_params
 from .config import GateConfig
 from .metrics import build_step_metrics
+from .probe import ProbeResult
 from .scripts import SCRIPT_NAMES, script_source
 from .snapshot import EngineState, SnapshotResult
 from ._urls import normalize_base_url
@@ -41,6 +43,10 @@ DEFERRED_BATCH = 32
 GIVE_BACK = ("release", "cancel")
 
 
+#: threads that run a blocking probe; a probe still running past its timeout keeps its thread
+PROBE_THREADS = 4
+
+
 class GateBase:
     def __init__(self, gate: str, config: GateConfig | None, probe: Any,
                  clock_ms: Callable[[], int] | None):
@@ -63,9 +69,42 @@ class GateBase:
         self._deferred: OrderedDict[str, tuple[str, dict]] = OrderedDict()
         self._local = Counter()          # outcomes decided without Redis (pass, degraded on faults)
         self._local_lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # blocking probes (_submit_probe)
+        self._probes_running = 0
         self._turns = Counter()          # per-session turn counter when the caller gives no index
         self._last_end: OrderedDict[str, float] = OrderedDict()  # session -> monotonic end of its last turn
         self._sources = {n: script_source(n) for n in SCRIPT_NAMES}
+
+    # -- probes -------------------------------------------------------------------------
+    def _submit_probe(self, fn: Callable, session_id: str,
+                      prompt_ids: Any) -> "concurrent.futures.Future | ProbeResult":
+        """Run a blocking ``probe.probe`` on the gate's own pool of ``PROBE_THREADS``: a
+        future, or an unavailable result at once when every probe thread is still busy (a
+        probe hanging past its timeout keeps its thread) or the gate is closed. Both drivers
+        use it: the async gate must not lend the event loop's default executor to a probe,
+        which redis-py's asyncio client needs to resolve host names."""
+        with self._local_lock:
+            if self._probes_running >= PROBE_THREADS:
+                return ProbeResult(None, detail="probe failed: all probe threads busy")
+            self._probes_running += 1
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=PROBE_THREADS,
+                                                                   thread_name_prefix="kvgate-probe")
+        try:
+            fut = self._pool.submit(fn, session_id, prompt_ids)
+        except RuntimeError as e:  # the gate was closed
+            self._probe_done(None)
+            return ProbeResult(None, detail=f"probe failed: {e}")
+        fut.add_done_callback(self._probe_done)
+        return fut
+
+    def _probe_done(self, _fut: Any) -> None:
+        with self._local_lock:
+            self._probes_running -= 1
+
+    def _shutdown_probe_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- helpers ------------------------------------------------------------------------
     def key(self, name: str) -> str:

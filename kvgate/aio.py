@@ -17,7 +17,9 @@ from .probe import UNAVAILABLE, ProbeResult, coerce
 from .snapshot import EngineState, SnapshotResult
 from ._aio import wait_for
 
-REDIS_ERRORS = _base.REDIS_ERRORS + (asyncio.TimeoutError,)  # and the call deadline
+# and the call deadline; and RuntimeError, which redis-py's asyncio client raises for a
+# connection of another event loop ("attached to a different loop", "Event loop is closed")
+REDIS_ERRORS = _base.REDIS_ERRORS + (asyncio.TimeoutError, RuntimeError)
 
 
 class AsyncLease(LeaseBase):
@@ -26,9 +28,9 @@ class AsyncLease(LeaseBase):
     async def release(self) -> bool:
         if not self._begin_release():
             return False
-        # shielded: a cancelled caller still gives its lease back
-        return await asyncio.shield(self._gate._release(self.ticket, time.monotonic() - self._t0,
-                                                        self.turn_index))
+        # shielded: a cancelled caller still gives its lease back; aclose() waits for it
+        return await self._gate._give_back(self._gate._release(self.ticket, time.monotonic() - self._t0,
+                                                               self.turn_index))
 
 
 class _AsyncListener:
@@ -49,6 +51,8 @@ class _AsyncListener:
         self._events.pop(ticket, None)
 
     def ensure_started(self) -> bool:
+        if self._task is not None and self._task.get_loop() is not asyncio.get_running_loop():
+            self._task = None  # it belongs to an earlier event loop (maybe closed): start anew
         if self._closed or (self._task is not None and not self._task.done()):
             return False
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvgate-pubsub")
@@ -107,6 +111,8 @@ class AsyncGate(GateBase):
         self._scripts = {n: redis_client.register_script(src) for n, src in self._sources.items()}
         self._listener = _AsyncListener(self)
         self._inflight: dict[str, set[asyncio.Task]] = {}
+        self._givebacks: set[asyncio.Future] = set()  # shielded releases and cancels in flight
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the client's connections belong to
 
     @classmethod
     def from_url(cls, url: str, gate: str, config: GateConfig | None = None, probe: Any = None,
@@ -126,10 +132,22 @@ class AsyncGate(GateBase):
         return cls(client, gate=gate, config=cfg, probe=probe)
 
     async def aclose(self) -> None:
-        await self._flush_at_close()
-        await self._listener.close()
-        with contextlib.suppress(Exception):
-            await self.redis.aclose()
+        """Wait (bounded) for releases and cancels still in flight, send what was deferred,
+        then stop the listener and close the client; the last two also when cancelled."""
+        try:
+            pending = [t for t in self._givebacks if t.get_loop() is asyncio.get_running_loop()]
+            if pending:
+                # a twice-cancelled caller left its shielded give-back running: closing the
+                # client under it would leave the lease charged until lease_ttl_s
+                await asyncio.wait(pending, timeout=self._deadline_s())
+            await self._flush_at_close()
+        finally:
+            try:
+                await self._listener.close()
+            finally:
+                self._shutdown_probe_pool()
+                with contextlib.suppress(Exception):
+                    await self.redis.aclose()
 
     async def __aenter__(self) -> "AsyncGate":
         return self
@@ -143,6 +161,45 @@ class AsyncGate(GateBase):
             for _ in range(self._close_flushes()):
                 await self._flush_deferred()
 
+    def _deadline_s(self) -> float:
+        """The bound on one Redis call (connect + reply, and some slack)."""
+        return self.config.redis_timeout_s * 2 + 0.5
+
+    def _bind_loop(self) -> None:
+        """A gate used from a second event loop (two ``asyncio.run`` calls, a gate at module
+        scope under per-test loops): the pooled connections belong to the first loop and
+        would fail every call, so they are dropped and made anew on this one."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None:
+            pool = getattr(self.redis, "connection_pool", None)
+            if pool is not None and hasattr(pool, "reset"):
+                with contextlib.suppress(Exception):
+                    pool.reset()
+        self._loop = loop
+
+    async def _give_back(self, coro: Any) -> Any:
+        """Run a release or cancel shielded from the caller's cancellation, and keep it
+        where aclose() can wait for it."""
+        t = asyncio.ensure_future(coro)
+        self._givebacks.add(t)
+        t.add_done_callback(self._givebacks.discard)
+        return await asyncio.shield(t)
+
+    async def _plain(self, make: Any) -> Any:
+        """A plain Redis command outside the scripts (finish_session's engine URLs and close
+        counters, num_preempted): skipped while the breaker is open, bounded by the call
+        deadline, a fault trips the breaker. Raises RedisDown."""
+        if self._breaker_open():
+            raise BreakerOpen("breaker open after a recent Redis fault")
+        self._bind_loop()
+        try:
+            return await wait_for(make(), self._deadline_s())
+        except REDIS_ERRORS as e:
+            self._trip()
+            raise RedisDown(str(e) or type(e).__name__) from e
+
     async def _eval(self, name: str, params: dict) -> dict:
         if self._breaker_open():
             raise BreakerOpen("breaker open after a recent Redis fault")
@@ -151,9 +208,10 @@ class AsyncGate(GateBase):
         return await self._call(name, params)
 
     async def _call(self, name: str, params: dict) -> dict:
+        self._bind_loop()
         try:
             raw = await wait_for(self._scripts[name](keys=self._keys, args=self._args(params)),
-                                 self.config.redis_timeout_s * 2 + 0.5)
+                                 self._deadline_s())
         except REDIS_ERRORS as e:
             self._trip()
             raise RedisDown(str(e) or type(e).__name__) from e
@@ -249,9 +307,8 @@ class AsyncGate(GateBase):
                 await self._eval("cancel", {"ticket": ticket})
             except RedisDown:
                 self._defer(ticket, "cancel", {"ticket": ticket})
-        t = asyncio.ensure_future(cancel())
         with contextlib.suppress(BaseException):
-            await asyncio.shield(t)
+            await self._give_back(cancel())
 
     async def _wait(self, ev: asyncio.Event, timeout_s: float, abort_event: Any) -> str:
         if self._listener.ensure_started():
@@ -292,13 +349,25 @@ class AsyncGate(GateBase):
                 r = await wait_for(probe.aprobe(req.session_id, req.prompt_ids),
                                            self.config.probe_timeout_s)
             elif hasattr(probe, "probe"):
-                r = await wait_for(asyncio.to_thread(probe.probe, req.session_id, req.prompt_ids),
-                                           self.config.probe_timeout_s)
+                # on the gate's own bounded pool, not the loop's default executor (see
+                # GateBase._submit_probe); all threads busy answers unavailable at once
+                fut = self._submit_probe(probe.probe, req.session_id, req.prompt_ids)
+                if isinstance(fut, ProbeResult):
+                    return fut
+                try:
+                    r = await wait_for(asyncio.wrap_future(fut), self.config.probe_timeout_s)
+                finally:
+                    fut.cancel()  # not started yet: never runs; running: keeps its thread
             else:
                 return UNAVAILABLE
             return coerce(r)
-        except asyncio.CancelledError:
-            raise
+        except asyncio.CancelledError as e:
+            task = asyncio.current_task()
+            cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+            if cancelling is None or cancelling():
+                raise  # this task is being cancelled: the caller's cancellation goes on
+            # the probe's own work was cancelled, not this turn: a failed probe (fail open)
+            return ProbeResult(None, detail=f"probe failed: CancelledError: {e}")
         except Exception as e:  # noqa: BLE001 - a failed probe is an unavailable probe
             return ProbeResult(None, detail=f"probe failed: {type(e).__name__}: {e}")
 
@@ -346,23 +415,26 @@ class AsyncGate(GateBase):
     async def num_preempted(self, session_id: str) -> int:
         check_session_id(session_id)
         try:
-            v = await self.redis.hget(self.key("preempted"), session_id)
-        except REDIS_ERRORS:
+            v = await self._plain(lambda: self.redis.hget(self.key("preempted"), session_id))
+        except RedisDown:
             return 0
         return int(v or 0)
 
     # -- snapshots and housekeeping --------------------------------------------------------
     async def write_snapshot(self, engines: Sequence[EngineState]) -> SnapshotResult:
         params = self._snapshot_params(engines)
+        self._bind_loop()
         raw = await self._scripts["write_snapshot"](keys=self._keys, args=self._args(params))
         return self._snapshot_result(self._decode(raw))
 
     async def housekeep(self, limit: int = 100) -> dict:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit must be an int >= 1, got {limit!r}")
+        self._bind_loop()
         return self._decode(await self._scripts["housekeep"](keys=self._keys, args=self._args({"limit": limit})))
 
     async def bump_epoch(self) -> int:
+        self._bind_loop()
         raw = await self._scripts["bump_epoch"](keys=self._keys, args=self._args({}))
         return int(self._decode(raw)["epoch"])
 
@@ -370,18 +442,21 @@ class AsyncGate(GateBase):
         if self.config.engine_urls:
             return list(self.config.engine_urls)
         try:
-            return engine_urls_from(self.config, await self.redis.hget(self.key("snapshot"), "engines"))
-        except REDIS_ERRORS:
+            raw = await self._plain(lambda: self.redis.hget(self.key("snapshot"), "engines"))
+        except RedisDown:
             return []
+        return engine_urls_from(self.config, raw)
 
     async def record_close(self, attempts: int, failures: int) -> None:
-        try:
+        def send() -> Any:
             p = self.redis.pipeline(transaction=False)
             for k in ("stats", "totals"):
                 p.hincrby(self.key(k), "close", attempts)
                 p.hincrby(self.key(k), "close_failure", failures)
-            await p.execute()
-        except REDIS_ERRORS:
+            return p.execute()
+        try:
+            await self._plain(send)
+        except RedisDown:
             with self._local_lock:
                 self._local["close"] += attempts
                 self._local["close_failure"] += failures
@@ -390,6 +465,7 @@ class AsyncGate(GateBase):
         """The gate's state for operators: ledger, ceiling, usage, epoch, FIFO, leases,
         windows, snapshot age (by the Redis clock), engines and cumulative counters.
         Raises redis errors as they are (an operator wants to see them)."""
+        self._bind_loop()
         raw = self._decode(await self._scripts["drain_stats"](keys=self._keys, args=self._args({"drain": 0})))
         p = self.redis.pipeline(transaction=False)
         p.hget(self.key("snapshot"), "engines")

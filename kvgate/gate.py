@@ -1,7 +1,6 @@
 """The synchronous gate, for threaded code. ``kvgate.AsyncGate`` has the same surface."""
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import threading
 import time
@@ -12,15 +11,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from ._base import PROBE_THREADS  # noqa: F401 - also kvgate.gate's name for it
 from ._base import REDIS_ERRORS, GateBase, LeaseBase, closable_urls, engine_urls_from
 from ._flow import BreakerOpen, Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow, check_session_id
 from .config import GateConfig
 from .probe import UNAVAILABLE, ProbeResult, coerce
 from .snapshot import EngineState, SnapshotResult
-
-
-#: threads that run a blocking probe; a probe still running past its timeout keeps its thread
-PROBE_THREADS = 4
 
 
 class Lease(LeaseBase):
@@ -163,10 +159,8 @@ class Gate(GateBase):
         _warn_unbounded(redis_client)
         self._scripts = {n: redis_client.register_script(src) for n, src in self._sources.items()}
         self._listener = _Listener(self)
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         # session -> {thread ident: turns in flight}: finish_session joins the other threads' turns
         self._inflight: dict[str, dict[int, int]] = {}
-        self._probes_running = 0
         self._inflight_cv = threading.Condition()
 
     @classmethod
@@ -188,8 +182,7 @@ class Gate(GateBase):
     def close(self) -> None:
         self._flush_at_close()
         self._listener.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._shutdown_probe_pool()
         with contextlib.suppress(Exception):
             self.redis.close()
 
@@ -359,30 +352,14 @@ class Gate(GateBase):
         fn = getattr(probe, "probe", None)
         if fn is None:
             return UNAVAILABLE
-        with self._local_lock:
-            if self._probes_running >= PROBE_THREADS:
-                # every probe thread is still busy (a probe hangs past its timeout): answer
-                # unavailable at once rather than queue work without bound
-                return ProbeResult(None, detail="probe failed: all probe threads busy")
-            self._probes_running += 1
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=PROBE_THREADS,
-                                                                   thread_name_prefix="kvgate-probe")
-        try:
-            fut = self._pool.submit(fn, req.session_id, req.prompt_ids)
-        except RuntimeError as e:  # the gate was closed
-            self._probe_done(None)
-            return ProbeResult(None, detail=f"probe failed: {e}")
-        fut.add_done_callback(self._probe_done)
+        fut = self._submit_probe(fn, req.session_id, req.prompt_ids)
+        if isinstance(fut, ProbeResult):  # every probe thread busy, or the gate closed
+            return fut
         try:
             return coerce(fut.result(timeout=self.config.probe_timeout_s))
         except Exception as e:  # noqa: BLE001 - a failed probe is an unavailable probe
             fut.cancel()
             return ProbeResult(None, detail=f"probe failed: {type(e).__name__}: {e}")
-
-    def _probe_done(self, _fut: Any) -> None:
-        with self._local_lock:
-            self._probes_running -= 1
 
     def _release(self, ticket: str, latency_s: float, turn_index: int | None) -> bool:
         params = {"ticket": ticket, "lat_ms": latency_s * 1000.0, "turn": turn_index}
