@@ -273,6 +273,8 @@ class GateBase:
             "snapshot_age_s": age, "degraded": not fresh, "hit_rate": hit if hit >= 0 else None,
             "prefill_s_per_token": pst if pst >= 0 else None, "prefill_load": pl if pl >= 0 else None,
             "tool_gap_s": gap if gap >= 0 else None, "pool_refill_s": refill,
+            "preempted_sessions": int(raw.get("preempted_sessions", 0) or 0),
+            "preempted_max": int(raw.get("preempted_max", 0) or 0),
             "engines": engines, "fifo_head": [txt(t) for t, _ in head],
             "totals": {txt(k): float(v) for k, v in totals.items()},
         }

@@ -67,6 +67,10 @@ def build_step_metrics(raw: dict | None, config: Any, local: dict) -> dict[str, 
         m[P + "budget/window_count"] = float(raw.get("windows", 0))
         m[P + "budget/epoch"] = float(raw.get("epoch", 0))
         m[P + "budget/degraded"] = 0.0 if fresh else 1.0
+        # num_preempted per session (seed 000): how many live sessions had an attempt
+        # preempted, and the most any one had; gate.num_preempted(sid) gives one session's
+        m[P + "admission/preempted_sessions"] = float(raw.get("preempted_sessions", 0) or 0)
+        m[P + "admission/preempted_max_per_session"] = float(raw.get("preempted_max", 0) or 0)
         hit = float(raw.get("hit_rate", -1))
         if hit >= 0:
             m[P + "residency/prefix_cache_hit_rate"] = hit
@@ -81,8 +85,11 @@ def build_step_metrics(raw: dict | None, config: Any, local: dict) -> dict[str, 
     if n:
         m[P + "budget/kv_token_usage_mean"] = _f(st, "usage_sum") / n
         m[P + "budget/kv_token_usage_max"] = _f(st, "usage_max")
-    if config.session_lifecycle:
-        m[P + "session/lifecycle_enabled"] = 1.0
+    # the close counters come with the reader's lifecycle setting, or whenever another
+    # process of the gate (with lifecycle on) counted closes this step: a driver that reads
+    # the step with its own config must not drain them unseen
+    if config.session_lifecycle or _f(st, "close") or _f(st, "close_failure"):
+        m[P + "session/lifecycle_enabled"] = 1.0 if config.session_lifecycle else 0.0
         m[P + "session/close"] = _f(st, "close")
         m[P + "session/close_failure"] = _f(st, "close_failure")
     for k in st:
@@ -131,6 +138,10 @@ class GateCollector:
              s["snapshot_age_s"] if s["snapshot_age_s"] is not None else float("nan")),
             ("kvgate_prefix_cache_hit_rate", "Mean engine prefix-cache hit rate (engines' own metric)",
              s["hit_rate"] if s["hit_rate"] is not None else float("nan")),
+            ("kvgate_preempted_sessions", "Live sessions with at least one preempted attempt",
+             s.get("preempted_sessions", 0)),
+            ("kvgate_preempted_max_per_session", "Most preempted attempts of one live session",
+             s.get("preempted_max", 0)),
         ):
             g = GaugeMetricFamily(name, help_, labels=["gate"])
             g.add_metric(gate, float(val))
@@ -157,6 +168,10 @@ class GateCollector:
             ("kvgate_session_close", "close", "Session close attempts"),
             ("kvgate_session_close_failures", "close_failure", "Session close failures"),
             ("kvgate_wait_seconds", "wait_ms_sum", "Total seconds granted attempts waited"),
+            ("kvgate_window_revoked", "window_revoked", "Ownership windows revoked (trim, yield)"),
+            ("kvgate_window_yielded", "window_yielded", "Idle windows ended to make room for an aged waiter"),
+            ("kvgate_window_expired", "window_expired", "Ownership windows whose idle grace expired"),
+            ("kvgate_epoch_bumps", "epoch_bumps", "Changes of the healthy engine set"),
         ):
             c = CounterMetricFamily(name, help_, labels=["gate"])
             v = t.get(field, 0.0)

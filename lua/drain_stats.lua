@@ -7,7 +7,9 @@
   Returns JSON {stats={field=value...}, reserved, epoch, leases, waiting, windows,
     capacity, usage, hit_rate, snapshot_age_ms (-1 when none), n_healthy,
     prefill_s_per_token, prefill_load (-1 when not measured),
-    tool_gap_s (the typical time sessions spend between turns; -1 before 8 samples)}
+    tool_gap_s (the typical time sessions spend between turns; -1 before 8 samples),
+    preempted_sessions, preempted_max (sessions with preempted attempts, and the most one of
+    them has; sessions are forgotten at finish_session, so the work is bounded by the live ones)}
 ]]
 --@include common
 
@@ -20,10 +22,16 @@ local v = redis.call("HMGET", K.snapshot, "ts_ms", "capacity", "usage", "hit_rat
 local gap = tool_gap_s() or -1
 local age = -1
 if v[1] then age = NOW - tonumber(v[1]) end
+local pmax = 0
+for _, n in ipairs(redis.call("HVALS", K.preempted)) do
+  local x = tonumber(n) or 0
+  if x > pmax then pmax = x end
+end
 return cjson.encode({
   stats = st, reserved = reserved(), epoch = epoch(),
   leases = redis.call("ZCARD", K.lease_exp), waiting = redis.call("ZCARD", K.fifo),
   windows = redis.call("HLEN", K.windows), capacity = num(v[2], 0), usage = num(v[3], 0),
   hit_rate = num(v[4], -1), snapshot_age_ms = age, n_healthy = num(v[5], 0), now = NOW,
   prefill_s_per_token = num(v[6], -1), prefill_load = num(v[7], -1), tool_gap_s = gap,
+  preempted_sessions = redis.call("HLEN", K.preempted), preempted_max = pmax,
 })
