@@ -105,21 +105,6 @@ def test_scheduler_retracts_newest_and_output_is_deterministic():
     assert s.prefill_computed_tokens > sum(r.prompt_len for r in reqs)   # recomputation is charged
 
 
-def test_scheduler_waits_when_nothing_is_evictable_and_close_session_unblocks():
-    prof = load_profile(**SMALL)
-    s = RankScheduler(prof, session_radix_cache=True)
-    pinned = Req("a", rand_ids(1, 1500), 8, session_id="sess")
-    s.submit(pinned)
-    _drain(s)
-    assert s.cache.used_blocks >= 1500 // B                # the open session pins its KV
-    big = Req("b", rand_ids(2, 1000), 8)
-    s.submit(big)
-    assert s.begin_iteration() is None and s.num_queued == 1   # waits in the engine queue
-    assert s.close_session("sess") and not s.close_session("sess")
-    _drain(s)
-    assert big.finish_reason["type"] == "length" and s.cache.evicted_blocks > 0
-
-
 # ------------------------------------------------------------------ profiles
 def test_profiles_load_by_name_path_and_reject_unknown(tmp_path):
     assert "gpu-h100-30b" in available_profiles()
@@ -237,10 +222,13 @@ def test_close_session_frees_session_kv_in_session_radix_mode():
         url = sim.engine_urls[0]
         p1 = rand_ids(40, 500)
         r1 = gen(c, url, p1, 10, session_id="agent-1")
-        used = metric(metrics(c, url), "sglang:num_used_tokens")
-        assert used == (500 + 9) // B * B                     # pinned while the session is open
-        assert metric(metrics(c, url), "kvgate_sim:open_sessions") == 1
-        for i in range(4):                                    # pressure cannot evict it
+        m = metric(metrics(c, url), "sglang:num_used_tokens")
+        assert m == 0                                         # session KV is evictable, not used
+        m = metrics(c, url)
+        assert metric(m, "kvgate_sim:open_sessions") == 1
+        assert metric(m, "sglang:kv_evictable_tokens") == (500 + 9) // B * B
+        assert metric(m, "kvgate_sim:session_pinned_tokens") == (500 + 9) // B * B
+        for i in range(4):      # pressure the unpinned blocks can absorb does not evict the session
             gen(c, url, rand_ids(200 + i, 700), 4)
         p2 = p1 + r1["output_ids"] + rand_ids(41, 20)
         assert gen(c, url, p2, 4, session_id="agent-1")["meta_info"]["cached_tokens"] == (500 + 9) // B * B
@@ -251,6 +239,7 @@ def test_close_session_frees_session_kv_in_session_radix_mode():
         assert metric(m, "sglang:num_used_tokens") == 0
         assert metric(m, "sglang:kv_evictable_tokens") >= (500 + 9) // B * B
         assert metric(m, "kvgate_sim:open_sessions") == 0
+        assert metric(m, "kvgate_sim:session_pinned_tokens") == 0   # back to plain LRU order
 
 
 def test_tp_ranks_repeat_per_engine_values_and_dp_ranks_are_labelled():
@@ -398,19 +387,22 @@ def test_process_mode_and_lean_client():
 
 
 def _check_accounting(s: RankScheduler) -> None:
-    """Every reference and private block is owned by a running request or a session."""
+    """Every lock and private block is owned by a running request; every pin by a session."""
     from collections import Counter
     refs: Counter = Counter()
+    pins: Counter = Counter()
     private = 0
     for r in s.running.values():
         refs.update(r.hashes)
         private += r.held - len(r.hashes)
-    for pins in s.sessions.values():
-        refs.update(pins)
+    for hs in s.sessions.values():
+        pins.update(list(hs))
     assert private == s.cache.private_blocks
     for h, n in refs.items():
         assert s.cache.refcount(h) == n
     assert sum(1 for h in s.cache._ref if s.cache.refcount(h) > 0) == len(refs)
+    for h, n in pins.items():
+        assert s.cache.pincount(h) == n and s.cache.is_cached(h)
     assert s.remaining_decode_tokens() == sum(r.max_new - s.gen_of(r) for r in s.running.values())
 
 
@@ -448,10 +440,10 @@ def test_random_workload_keeps_the_pool_consistent(seed):
                 if len(hist[k]) < 900:
                     hist[k] = r.input_ids + r.output_ids + rand_ids(step, 10)
         finished.clear()
-    for _ in range(2):   # queued turns may wait for pinned sessions: close, drain, close
-        for k in range(6):
-            s.close_session(f"s{k}")
-        _drain(s)
+    _drain(s)            # session pins never block admission: everything drains
+    assert s.num_queued == 0 and s.num_running == 0
+    for k in range(6):
+        s.close_session(f"s{k}")
     assert s.num_queued == 0 and s.num_running == 0
     assert s.cache.used_blocks == 0 and s.cache.private_blocks == 0
     assert s.num_requests + s.num_aborted == n

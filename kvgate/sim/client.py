@@ -26,7 +26,13 @@ class HttpPool:
         self.idle: List[tuple] = []
 
     async def post(self, path: str, body: bytes) -> tuple:
-        """(status, content_type, body).  Raises ConnectionError when the worker is unreachable."""
+        """(status, content_type, body).
+
+        Raises ConnectionError when the worker is unreachable or drops the connection, and
+        TimeoutError (not a ConnectionError) when it accepted the request but did not answer
+        within ``timeout_s``: a slow worker is not a dead one.  On Python 3.11+
+        ``asyncio.TimeoutError`` is the builtin ``TimeoutError``, an ``OSError``, so it is
+        caught before the ``OSError`` clause."""
         for attempt in range(2):
             # the retry after a stale keep-alive connection opens a new one: the other idle
             # connections may have been closed by the server just as well
@@ -44,6 +50,10 @@ class HttpPool:
                              b"Content-Length: %d\r\n\r\n" % (path.encode(), self.hosthdr, len(body)))
                 writer.write(body)
                 res = await wait_for(self._read(reader), self.timeout_s)
+            except asyncio.TimeoutError:
+                writer.close()
+                raise TimeoutError(f"worker {self.host}:{self.port} did not answer within "
+                                   f"{self.timeout_s} s") from None
             except (OSError, EOFError, asyncio.IncompleteReadError, ValueError) as e:
                 writer.close()
                 if reused and attempt == 0 and isinstance(e, (asyncio.IncompleteReadError, EOFError,

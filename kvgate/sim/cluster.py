@@ -128,6 +128,7 @@ class SimCluster:
         self.router: Optional[SimRouter] = None
         self._servers: List[Optional[_Served]] = []
         self._router_server: Optional[_Served] = None
+        self._bg_tasks: set = set()   # tasks started by POST /sim/stop, held until done
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._proc: Optional[subprocess.Popen] = None
@@ -234,7 +235,14 @@ class SimCluster:
         eng = SimEngine(self.profile, engine_id=f"sim-{i}", **self.engine_kwargs)
         await eng.start()
         loop = asyncio.get_running_loop()
-        app = build_engine_app(eng, on_stop=lambda: loop.create_task(self._astop_engine(i)))
+
+        def on_stop() -> None:
+            # keep a reference until the task is done: the loop holds tasks only weakly
+            task = loop.create_task(self._astop_engine(i))
+            self._bg_tasks.add(task)
+            task.add_done_callback(self._bg_tasks.discard)
+
+        app = build_engine_app(eng, on_stop=on_stop)
         srv = _Served(app, _bind(self.host, port))
         await srv.start(self.start_timeout_s)
         url = f"http://{self.advertise_host}:{srv.port}"

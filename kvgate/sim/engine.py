@@ -50,6 +50,7 @@ class SimEngine:
             for _ in range(dp_size)]
         self._rr = itertools.cycle(range(dp_size))
         self._rid_rank: Dict[str, int] = {}
+        self._open_sessions: set = set()   # ids opened with /open_session and not closed yet
         self._wake: List[Optional[asyncio.Event]] = [None] * dp_size
         self._tasks: List[asyncio.Task] = []
         self.started = False
@@ -193,7 +194,31 @@ class SimEngine:
             n += bool(self.abort(rid))
         return n
 
+    def abort_request(self, rid: str) -> int:
+        """SGLang's ``/abort_request`` for one rid: nothing happens unless a request with exactly
+        that rid is in flight (the tokenizer manager drops unknown rids, with the default single
+        tokenizer worker); then every in-flight request whose rid *starts with* it is aborted, as
+        the scheduler matches ``req.rid.startswith(rid)``.  Returns how many were aborted."""
+        if not rid or rid not in self._rid_rank:
+            return 0
+        return sum(bool(self.abort(q)) for q in [q for q in self._rid_rank if q.startswith(rid)])
+
+    def open_session(self, session_id: Optional[str] = None) -> Optional[str]:
+        """SGLang's ``/open_session``: returns the session id (a new uuid4 hex when none is
+        given), or None when a session with that id is already open.  With the session radix
+        cache it starts a new session generation on every rank (``open_radix_session``)."""
+        if session_id is None:
+            session_id = uuid.uuid4().hex
+        elif session_id in self._open_sessions:
+            return None
+        self._open_sessions.add(session_id)
+        if self.session_radix_cache:
+            for rank in self.ranks:
+                rank.open_session(session_id)
+        return session_id
+
     def close_session(self, session_id: str) -> bool:
+        self._open_sessions.discard(session_id)
         freed = False
         for i, rank in enumerate(self.ranks):
             if rank.close_session(session_id):
@@ -213,7 +238,7 @@ class SimEngine:
             evicted = r.cache.evicted_blocks  # a counter (kvgate_sim:evicted_tokens_total) never goes back
             r.cache = PrefixCache(self.profile.kv_capacity_tokens, self.profile.block_size)
             r.cache.evicted_blocks = evicted
-            r.sessions.clear()
+            r._session_gen.clear()     # SGLang: session_refs.reset()
         return True
 
     # -------------------------------------------------------------- queries
@@ -258,6 +283,7 @@ class SimEngine:
             "cache_hit_rate": r.cache_hit_rate(),
             "new_token_ratio": r.new_token_ratio,
             "open_sessions": len(r.sessions),
+            "session_pinned_tokens": c.pinned_evictable_blocks * B,
             "prompt_tokens": r.prompt_tokens,
             "cached_tokens": r.cached_tokens,
             "generation_tokens": r.generation_tokens,
@@ -294,7 +320,10 @@ class SimEngine:
     def metrics_text(self) -> str:
         """Prometheus text with SGLang's metric names and label sets."""
         mn = _esc(self.model_name)
-        tok_labels = f'model_name="{mn}"'
+        # tokenizer-side labels (SGLang's tokenizer_metric_labels()); the token and request
+        # counters add is_streaming (the simulator has no streaming: always "false")
+        tok_labels = f'model_name="{mn}",engine_type="unified"'
+        stream_labels = tok_labels + ',is_streaming="false"'
         rank_labels: List[tuple] = []   # (label string, rank index)
         for dp in range(self.dp_size):
             for tp in range(self.tp_size):
@@ -315,17 +344,17 @@ class SimEngine:
         def per_rank(name: str, kind: str, doc: str, key: str) -> None:
             fam(name, kind, doc, [(lab, states[dp][key]) for lab, dp in rank_labels])
 
-        # tokenizer-side counters (one series per server, model_name only)
+        # tokenizer-side counters (one series per server)
         tot = lambda k: sum(s[k] for s in states)  # noqa: E731
         fam("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
-            [(tok_labels, tot("prompt_tokens"))])
+            [(stream_labels, tot("prompt_tokens"))])
         fam("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.",
-            [(tok_labels, tot("generation_tokens"))])
+            [(stream_labels, tot("generation_tokens"))])
         fam("sglang:cached_tokens_total", "counter",
             "Number of cached prompt tokens by source (device/host/storage).",
             [(tok_labels + ',cache_source="device"', tot("cached_tokens"))])
         fam("sglang:num_requests_total", "counter", "Number of requests processed.",
-            [(tok_labels, tot("num_requests"))])
+            [(stream_labels, tot("num_requests"))])
         fam("sglang:num_aborted_requests_total", "counter", "Number of requests aborted.",
             [(tok_labels, tot("num_aborted_requests"))])
         # scheduler gauges (one series per rank; TP ranks repeat the same value)
@@ -339,7 +368,7 @@ class SimEngine:
         per_rank("sglang:token_usage", "gauge", "The token usage.", "token_usage")
         per_rank("sglang:full_token_usage", "gauge",
                  "The token usage for full attention layers.", "token_usage")
-        per_rank("sglang:kv_used_tokens", "gauge", "KV tokens held by requests (not evictable).",
+        per_rank("sglang:kv_used_tokens", "gauge", "KV tokens held by running requests (not evictable).",
                  "num_used_tokens")
         per_rank("sglang:kv_available_tokens", "gauge", "Free KV tokens.", "kv_available_tokens")
         per_rank("sglang:kv_evictable_tokens", "gauge",
@@ -352,10 +381,15 @@ class SimEngine:
                  "Total number of retracted input tokens.", "retracted_input_tokens")
         per_rank("sglang:num_retracted_output_tokens_total", "counter",
                  "Total number of retracted output tokens.", "retracted_output_tokens")
+        # SGLang's scheduler constants (emit_metrics_constants); vLLM's cache_config_info has no
+        # SGLang counterpart
         B = self.profile.block_size
-        fam("sglang:cache_config_info", "gauge", "Cache configuration information.",
-            [(lab + f',page_size="{B}",num_pages="{self.ranks[dp].cache.num_blocks}"', 1)
-             for lab, dp in rank_labels])
+        fam("sglang:page_size", "gauge", "KV cache page size in tokens.",
+            [(lab, B) for lab, dp in rank_labels])
+        fam("sglang:num_pages", "gauge", "Number of KV cache pages.",
+            [(lab, self.ranks[dp].cache.num_blocks) for lab, dp in rank_labels])
+        fam("sglang:context_len", "gauge", "Maximum context length.",
+            [(lab, self.profile.max_context) for lab, dp in rank_labels])
         # simulator-only series (no SGLang counterpart)
         per_rank("kvgate_sim:evicted_tokens_total", "counter",
                  "SIMULATOR ONLY: prefix-cache tokens evicted from the KV pool (LRU).",
@@ -369,8 +403,12 @@ class SimEngine:
                      "batch (as vLLM's request_prefill_time_seconds), in wall time.",
                      "prefill_seconds_wall")
         per_rank("kvgate_sim:open_sessions", "gauge",
-                 "SIMULATOR ONLY: sessions whose KV is pinned (session radix cache).",
+                 "SIMULATOR ONLY: sessions pinning KV (session radix cache); pinned KV is "
+                 "evictable, after unpinned KV.",
                  "open_sessions")
+        per_rank("kvgate_sim:session_pinned_tokens", "gauge",
+                 "SIMULATOR ONLY: evictable KV tokens an open session pins (evicted after "
+                 "unpinned KV; part of sglang:kv_evictable_tokens).", "session_pinned_tokens")
         return "\n".join(out) + "\n"
 
 

@@ -1,6 +1,6 @@
 """Starlette app that serves a :class:`SimEngine` with SGLang's HTTP surface.
 
-Routes (SGLang's): ``POST /generate``, ``POST /abort_request``,
+Routes (SGLang's): ``POST /generate``, ``POST /abort_request``, ``GET|POST /open_session``,
 ``GET|POST /close_session``, ``GET|POST /flush_cache``, ``GET /health``, ``GET /health_generate``,
 ``GET /get_model_info``, ``GET /get_server_info``, ``GET /metrics``.
 Routes a real SGLang does not have: ``POST /kvgate/probe`` and
@@ -21,6 +21,27 @@ from starlette.routing import Route
 from .._json import dumps as _dumps, loads as _loads
 from .engine import SimEngine
 from .scheduler import Req
+
+
+#: How often (wall seconds) a waiting ``/generate`` checks whether its client went away.
+#: SGLang's tokenizer manager wakes every ``SGLANG_REQUEST_STATE_WAIT_TIMEOUT`` (4 s) to
+#: check ``request.is_disconnected()`` and aborts the request; the simulator checks sooner.
+DISCONNECT_POLL_S = 1.0
+
+
+async def wait_or_disconnect(fut: "asyncio.Future", request: Request,
+                             period: Optional[float] = None) -> bool:
+    """Wait for ``fut``; every ``period`` seconds check whether the client disconnected.
+
+    True when ``fut`` is done, False when the client went away first (``fut`` is left alone)."""
+    if period is None:
+        period = DISCONNECT_POLL_S
+    while True:
+        done, _ = await asyncio.wait((fut,), timeout=period)
+        if done:
+            return True
+        if await request.is_disconnected():
+            return False
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -98,13 +119,25 @@ def build_engine_app(engine: SimEngine, on_stop: Optional[Callable[[], Any]] = N
         except RuntimeError as e:
             return sglang_error(str(e), 503)
         try:
-            await fut
+            finished = await wait_or_disconnect(fut, request)
         except asyncio.CancelledError:
             engine.abort(r.rid)
             raise
+        if not finished:
+            # the client went away: abort, as SGLang's tokenizer manager does (nobody reads this)
+            engine.abort(r.rid)
+            return sglang_error("Request is disconnected from the client side. "
+                                f"Abort request {r.rid}", 400)
         fr = r.finish_reason
         if fr.get("type") == "abort" and fr.get("message") == "engine stopped":
             return sglang_error("engine stopped", 503)
+        code = fr.get("status_code") if fr.get("type") == "abort" else None
+        if isinstance(code, int) and 400 <= code < 600:
+            # SGLang's _handle_abort_finish_reason: a 400 abort is a ValueError -> error body,
+            # any other status an HTTPException (FastAPI's {"detail": ...})
+            if code == 400:
+                return sglang_error(str(fr.get("message")), 400)
+            return json_response({"detail": fr.get("message")}, code)
         meta = {
             "id": r.rid,
             "finish_reason": fr,
@@ -128,8 +161,27 @@ def build_engine_app(engine: SimEngine, on_stop: Optional[Callable[[], Any]] = N
                 raise ValueError("rid must be a non-empty string (or abort_all: true)")
         except ValueError as e:
             return error(str(e))
-        engine.abort(rid)
+        engine.abort_request(rid)
         return Response(status_code=200)
+
+    async def open_session(request: Request) -> Response:
+        try:
+            data = await read_json(request)
+            cap = data.get("capacity_of_str_len")
+            if isinstance(cap, bool) or not isinstance(cap, int):
+                # a required field of SGLang's OpenSessionReqInput (unused by the simulator)
+                raise ValueError("capacity_of_str_len (an integer) is required")
+            sid = _session_id(data)
+            if data.get("streaming"):
+                raise ValueError("Streaming sessions are disabled. "
+                                 "Please relaunch with --enable-streaming-session.")
+        except ValueError as e:
+            return json_response({"error": {"message": str(e)}}, 400)
+        sid = engine.open_session(sid)
+        if sid is None:
+            return json_response({"error": {"message": "Failed to open the session. Check if a "
+                                            "session with the same id is still open."}}, 400)
+        return json_response(sid)
 
     async def close_session(request: Request) -> Response:
         try:
@@ -158,6 +210,9 @@ def build_engine_app(engine: SimEngine, on_stop: Optional[Callable[[], Any]] = N
                               "weight_version": "default", "simulator": True})
 
     async def server_info(request: Request) -> Response:
+        # SGLang: server args + the scheduler's get_init_info() (max_total_num_tokens,
+        # ...) at the top level; internal_states[i] per DP rank, with the
+        # pool size as memory_usage.token_capacity
         p = engine.profile
         return json_response({
             "model_path": engine.model_name, "tp_size": engine.tp_size, "dp_size": engine.dp_size,
@@ -166,8 +221,12 @@ def build_engine_app(engine: SimEngine, on_stop: Optional[Callable[[], Any]] = N
             "max_prefill_tokens": p.max_prefill_tokens,
             "enable_session_radix_cache": engine.session_radix_cache,
             "radix_eviction_policy": "priority" if engine.session_radix_cache else "lru",
-            "internal_states": [{"max_total_num_tokens": r.cache.capacity_tokens}
-                                for r in engine.ranks],
+            "status": "ready",
+            "max_total_num_tokens": engine.ranks[0].cache.capacity_tokens,
+            "internal_states": [{"dp_rank": i, "page_size": p.block_size,
+                                 "memory_usage": {"token_capacity": r.cache.capacity_tokens,
+                                                  "token_capacity_swa": None}}
+                                for i, r in enumerate(engine.ranks)],
             "version": "kvgate-sim", "simulator": True, "profile": p.name,
             "time_scale": engine.time_scale})
 
@@ -201,6 +260,7 @@ def build_engine_app(engine: SimEngine, on_stop: Optional[Callable[[], Any]] = N
     routes = [
         Route("/generate", generate, methods=["POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/open_session", open_session, methods=["GET", "POST"]),
         Route("/close_session", close_session, methods=["GET", "POST"]),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/health", health, methods=["GET"]),

@@ -14,7 +14,10 @@ A background health check (``GET /health`` on each worker every
 ``health_check_interval_s``) marks unreachable workers unhealthy and healthy
 again when they answer; a worker marked unhealthy by the admin stays unhealthy
 until marked healthy.  A connection error while proxying marks the worker
-unhealthy and retries once on another worker.
+unhealthy and retries once on another worker.  A read timeout (the worker is
+slow, not down) answers 504 and neither marks the worker nor retries.  A client
+that disconnects while its request is proxied closes the upstream connection, so
+the engine aborts the request (its own disconnect check).
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from starlette.routing import Route
 
 from .._http import async_client
 from .client import HttpPool as _Pool
-from .http import _loads, error, json_response
+from .http import _loads, error, json_response, wait_or_disconnect
 
 
 class Worker:
@@ -182,11 +185,30 @@ class SimRouter:
                 tried.append(w.url)
                 w.load += 1
                 w.requests += 1
+                up = asyncio.ensure_future(w.pool.post("/generate", body))
                 try:
-                    status, ctype, content = await w.pool.post("/generate", body)
+                    if not await wait_or_disconnect(up, request):
+                        # the client went away: drop the upstream request (closing its
+                        # connection makes the engine abort it)
+                        up.cancel()
+                        try:
+                            await up
+                        except BaseException:
+                            pass
+                        return json_response({"error": {"message": "client disconnected",
+                                                        "code": 499}}, 499)
+                    status, ctype, content = up.result()
+                except TimeoutError:
+                    # a slow worker is not a dead one: no health mark, no retry (the request
+                    # may still be running there)
+                    return json_response({"error": {"message": f"worker {w.url} did not answer "
+                                                    f"within {w.pool.timeout_s} s", "code": 504}}, 504)
                 except ConnectionError:
                     w.probe_healthy = False
                     continue
+                except asyncio.CancelledError:
+                    up.cancel()
+                    raise
                 finally:
                     w.load -= 1
                 return Response(content, status_code=status, media_type=ctype)

@@ -18,11 +18,16 @@ What one iteration is, as in SGLang's event loop (``get_next_batch_to_run``):
 * otherwise one **decode** step for the whole running batch: cost
   ``decode_step_base_s + decode_step_per_seq_s * batch + decode_s_per_kv_token *
   tokens_in_batch``.  Before the step, requests whose next token crosses a block
-  boundary get one more block (evicting LRU cached blocks); if the pool has
-  nothing free or evictable, running requests are retracted in SGLang's
-  ``retract_decode`` order (fewest generated tokens first, i.e. the newest; ties:
-  longest prompt) until the block fits: each goes to the back of the queue, its
-  KV freed, its progress recomputed on re-admission.
+  boundary get one more block (evicting LRU cached blocks, session-pinned ones
+  last); if the pool has nothing free or evictable, running requests are
+  retracted in SGLang's ``retract_decode`` order (fewest generated tokens first,
+  i.e. the newest; ties: longest prompt) until the block fits: each goes to the
+  back of the queue, its KV freed, its progress recomputed on re-admission.  The
+  last running request is never retracted (SGLang keeps one); if even it cannot
+  grow it is aborted with status 500, as SGLang does.
+
+A prompt matches at most ``(fill_len - 1) // block_size`` cached blocks: SGLang
+matches at most ``input_len - 1`` tokens, so one token is always computed.
 
 Admission uses SGLang's token budget: free + evictable tokens, minus
 ``new_token_ratio`` x the remaining decode budget of running requests, must cover
@@ -47,6 +52,17 @@ from .profile import Profile
 WAITING, PREFILL, RUNNING, DONE = "waiting", "prefill", "running", "done"
 _CLIP_MAX_NEW_TOKENS = 4096  # SGLang's CLIP_MAX_NEW_TOKENS_ESTIMATION
 _HIT_WINDOW = 32
+
+
+def abort_reason(message: str = "Aborted", status_code: Optional[int] = None,
+                 err_type: Optional[str] = None) -> Dict[str, object]:
+    """A finish reason shaped like SGLang's ``FINISH_ABORT.to_json()``."""
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+
+
+#: SGLang's answer for a request aborted while still in the waiting queue (tokenizer_manager
+#: ``_handle_abort_req``: no status_code / err_type keys)
+WAITING_ABORT = {"type": "abort", "message": "Abort in waiting queue"}
 
 
 def output_tokens(digest: int, n: int, vocab_size: int) -> List[int]:
@@ -137,9 +153,13 @@ class RankScheduler:
         self._ratio_min = init * profile.min_new_token_ratio_factor
         self._ratio_decay = (init - self._ratio_min) / profile.new_token_ratio_decay_steps
         self.new_token_ratio = init
-        # sessions (session radix cache): session id -> pinned block hashes
-        self.sessions: Dict[str, List[int]] = {}
-        self._session_epoch: Dict[str, int] = {}
+        # sessions (session radix cache), as SGLang's UnifiedSessionRefTracker: an open session
+        # has a generation; a request takes its session's generation at submit (opening the
+        # session if needed), close_session drops it, and a finishing turn pins its KV only if
+        # its generation is still current.  Closed sessions leave no state here (SGLang keeps
+        # up to 8192 tombstones, which change nothing once generations are checked).
+        self._session_gen: Dict[str, int] = {}
+        self._gen_counter = 0
         # counters (monotonic)
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -163,6 +183,11 @@ class RankScheduler:
     @property
     def num_queued(self) -> int:
         return len(self.waiting)
+
+    @property
+    def sessions(self) -> Dict[str, Dict[int, None]]:
+        """Session id -> the block hashes it pins (kept by the cache: eviction edits it)."""
+        return self.cache.sessions
 
     def gen_of(self, r: Req) -> int:
         return r.base + self.step if r.state == RUNNING else r.gen
@@ -188,8 +213,9 @@ class RankScheduler:
     def submit(self, r: Req) -> None:
         if r.rid in self.by_rid:
             raise ValueError(f"duplicate rid {r.rid!r}")
-        if r.session_id is not None:
-            r.session_epoch = self._session_epoch.get(r.session_id, 0)
+        if r.session_id is not None and self.session_radix_cache:
+            g = self._session_gen.get(r.session_id)
+            r.session_epoch = g if g is not None else self.open_session(r.session_id)
         r.t_submit = self.clock
         self._seq += 1
         r.seq = self._seq
@@ -203,14 +229,14 @@ class RankScheduler:
             return False
         if r.state == WAITING:
             self.waiting.remove(r)
-            self._finish(r, {"type": "abort", "message": "Abort request"}, aborted=True)
+            self._finish(r, dict(WAITING_ABORT), aborted=True)
         elif self._inflight is not None:
             if not r.aborted:
                 r.aborted = True
                 self._abort_pending.append(r)
         else:
             self._drop_running(r)
-            self._finish(r, {"type": "abort", "message": "Abort request"}, aborted=True)
+            self._finish(r, abort_reason(), aborted=True)
         return True
 
     def abort_all(self, message: str = "engine stopped") -> None:
@@ -219,16 +245,20 @@ class RankScheduler:
                 self.waiting.remove(r)
             elif r.state in (RUNNING, PREFILL):
                 self._drop_running(r)
-            self._finish(r, {"type": "abort", "message": message}, aborted=True)
+            self._finish(r, abort_reason(message, 503), aborted=True)
+
+    def open_session(self, session_id: str) -> int:
+        """Start a new generation of ``session_id`` (SGLang's ``open_radix_session``):
+        turns submitted before it no longer pin when they finish."""
+        self._gen_counter += 1
+        self._session_gen[session_id] = self._gen_counter
+        return self._gen_counter
 
     def close_session(self, session_id: str) -> bool:
-        """Drop a session's pins: its KV returns to LRU eviction. Idempotent."""
-        self._session_epoch[session_id] = self._session_epoch.get(session_id, 0) + 1
-        pins = self.sessions.pop(session_id, None)
-        if pins:
-            self.cache.release(pins)
-            return True
-        return False
+        """Drop a session's pins: its KV returns to plain LRU eviction. Idempotent.
+        True when the session pinned something."""
+        self._session_gen.pop(session_id, None)
+        return self.cache.drop_session(session_id)
 
     # -------------------------------------------------------------- iteration
     def begin_iteration(self) -> Optional[Iteration]:
@@ -277,7 +307,7 @@ class RankScheduler:
             for r in pend:
                 if r.state in (RUNNING, PREFILL):
                     self._drop_running(r)
-                    self._finish(r, {"type": "abort", "message": "Abort request"}, aborted=True)
+                    self._finish(r, abort_reason(), aborted=True)
                     done.append(r)
         return done
 
@@ -303,7 +333,9 @@ class RankScheduler:
                 r._match = (-1, 0, 0)
             ver, k, pinned = r._match
             if ver != cache.version:   # a blocked head is re-checked every step: reuse
-                k = cache.match(r.hashes)
+                # SGLang matches at most input_len - 1 tokens (_compute_max_prefix_len):
+                # at least one token is always computed, so a fully cached prompt is not 100%
+                k = cache.match(r.hashes, (r.fill_len - 1) // B)
                 pinned = cache.evictable_among(r.hashes[:k]) if k else 0
                 r._match = (cache.version, k, pinned)
             uncached = r.fill_len - k * B
@@ -377,12 +409,20 @@ class RankScheduler:
                 continue
             retracted = False
             while not cache.alloc_private(1):
+                if len(self.running) <= 1:
+                    # SGLang's retract_decode always keeps one request; if even the last one
+                    # cannot grow it is aborted (HTTP 500), never left queued with nothing running
+                    self._drop_running(r)
+                    self._finish(r, abort_reason(
+                        "Out of memory even after retracting all other requests in the decode "
+                        "batch. Aborting the last request.", 500), aborted=True)
+                    break
                 # SGLang's retract_decode order: fewest generated tokens first (the
                 # newest request, in practice), ties broken by the longest prompt
                 victim = min(self.running.values(), key=lambda q: (q.base, -q.prompt_len))
                 self._retract(victim)
                 retracted = True
-                if victim is r or not self.running:
+                if victim is r:
                     break
             if retracted:
                 self._reset_ratio_after_retract()
@@ -450,12 +490,8 @@ class RankScheduler:
         all_h = hashes + new if new else hashes
         sid = r.session_id
         if (self.session_radix_cache and sid is not None
-                and self._session_epoch.get(sid, 0) == r.session_epoch):
-            cache.acquire(all_h)
-            old = self.sessions.get(sid)
-            self.sessions[sid] = all_h
-            if old:
-                cache.release(old)
+                and self._session_gen.get(sid) == r.session_epoch):
+            cache.set_session(sid, all_h)   # pins: eviction order only, not a lock
         cache.release(all_h)
         r.held = 0
         r.gen = r.max_new
