@@ -3,6 +3,10 @@
 `redis_server` (session scope) starts one private `redis-server` on a free loopback
 port; `redis_url` hands each test a clean database on it.  `redis_cluster` starts a
 3-node Redis Cluster (no replicas) for the cluster-marked tests.
+
+Where the binaries are missing the real-server tests skip, except under CI (the ``CI``
+environment variable set, as CI services do) or with ``KVGATE_REQUIRE_REDIS=1``: there
+they fail, so a CI image without redis-server cannot quietly drop that coverage.
 """
 from __future__ import annotations
 
@@ -20,11 +24,53 @@ import redis
 
 REDIS_BIN = shutil.which("redis-server")
 
+#: the port of a Redis this machine may run for something else: never started, never touched
+RESERVED_PORTS = {6379}
 
-def free_port() -> int:
+#: how many ports start_redis tries before giving up (another process may take a free port
+#: between the probe and redis-server's bind; redis-server then exits at once)
+START_ATTEMPTS = 5
+
+
+def redis_required() -> bool:
+    """True when the real-server tests must run here (CI, or KVGATE_REQUIRE_REDIS=1)."""
+    ci = os.environ.get("CI", "").strip().lower()
+    return (ci not in ("", "0", "false", "no")) or os.environ.get("KVGATE_REQUIRE_REDIS", "").strip() == "1"
+
+
+def require_binaries(*names: str) -> None:
+    """Skip the calling test when a binary is missing, or fail it where redis_required()."""
+    missing = [n for n in names if shutil.which(n) is None]
+    if not missing:
+        return
+    msg = f"{', '.join(missing)} not found on PATH"
+    if redis_required():
+        pytest.fail(f"{msg}, and CI / KVGATE_REQUIRE_REDIS=1 says the real-server tests must run", pytrace=False)
+    pytest.skip(msg)
+
+
+def _port_is_free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(cluster_bus: bool = False) -> int:
+    """A loopback port free right now (not held: redis-server binds it itself, and
+    start_redis retries on another one if it lost the race). With ``cluster_bus`` the port's
+    cluster bus port (port + 10000) exists and is free too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port in RESERVED_PORTS:
+            continue
+        if cluster_bus and (port + 10000 > 65535 or not _port_is_free(port + 10000)):
+            continue
+        return port
 
 
 @dataclass
@@ -57,10 +103,19 @@ class RedisProc:
                 self.proc.wait(timeout=10)
 
 
-def start_redis(port: int | None = None, *extra: str, wait_s: float = 10.0) -> RedisProc:
-    if REDIS_BIN is None:
-        pytest.skip("redis-server binary not found")
-    port = port or free_port()
+def _log_tail(workdir: str, n: int = 5) -> str:
+    try:
+        with open(os.path.join(workdir, "log"), errors="replace") as f:
+            lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+    except OSError:
+        return "(no log)"
+    return " | ".join(lines[-n:]) or "(empty log)"
+
+
+def _spawn(port: int, extra: list[str], wait_s: float) -> tuple[RedisProc | None, str]:
+    """Start one redis-server on ``port``: (the process, "") once it answers as itself, or
+    (None, why) when it exited early (a taken port). Not answering within ``wait_s`` while
+    running raises: another port would not help."""
     workdir = tempfile.mkdtemp(prefix="kvgate-redis-")
     args = [REDIS_BIN, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", workdir, "--logfile", os.path.join(workdir, "log"), *extra]
@@ -68,15 +123,45 @@ def start_redis(port: int | None = None, *extra: str, wait_s: float = 10.0) -> R
     rp = RedisProc(port, proc, workdir, list(extra))
     deadline = time.monotonic() + wait_s
     while True:
+        if proc.poll() is not None:
+            return None, f"exited with {proc.returncode}: {_log_tail(workdir)}"
         try:
-            if rp.client(socket_timeout=0.5).ping():
-                return rp
+            c = rp.client(socket_timeout=0.5)
+            try:
+                # the server answering must be ours: another process may hold the port we lost
+                if int(c.info("server")["process_id"]) == proc.pid:
+                    return rp, ""
+            finally:
+                c.close()
         except redis.RedisError:
             pass
-        if proc.poll() is not None or time.monotonic() > deadline:
+        if time.monotonic() > deadline:
             rp.stop(signal.SIGKILL)
-            raise RuntimeError(f"redis-server on port {port} did not start")
+            raise RuntimeError(f"redis-server on port {port} did not answer within {wait_s}s: {_log_tail(workdir)}")
         time.sleep(0.05)
+
+
+def start_redis(port: int | None = None, *extra: str, wait_s: float = 10.0,
+                attempts: int = START_ATTEMPTS) -> RedisProc:
+    """A private redis-server. Without ``port`` a free one is picked, and a start that fails
+    (the port was taken meanwhile) is retried on another port, ``attempts`` times. With a
+    ``port`` (a restart on the same port) the same port is retried. ``{port}`` in an extra
+    argument is replaced by the port tried (a cluster node's config file name)."""
+    if REDIS_BIN is None:
+        require_binaries("redis-server")
+    if port in RESERVED_PORTS:
+        raise ValueError(f"port {port} is reserved for the machine's own Redis")
+    cluster = "--cluster-enabled" in extra
+    why = []
+    for attempt in range(attempts):
+        p = port if port is not None else free_port(cluster_bus=cluster)
+        rp, err = _spawn(p, [a.replace("{port}", str(p)) for a in extra], wait_s)
+        if rp is not None:
+            return rp
+        why.append(f"port {p}: {err}")
+        if port is not None:
+            time.sleep(0.2 * (attempt + 1))  # the same port: give its last owner time to let go
+    raise RuntimeError(f"redis-server did not start after {attempts} attempts: {'; '.join(why)}")
 
 
 @pytest.fixture(scope="session")
@@ -107,16 +192,14 @@ def fresh_redis():
 @pytest.fixture(scope="session")
 def redis_cluster():
     """Three masters, no replicas, slots assigned with redis-cli --cluster create."""
-    if REDIS_BIN is None or shutil.which("redis-cli") is None:
-        pytest.skip("redis-server/redis-cli not found")
+    require_binaries("redis-server", "redis-cli")
     nodes = []
     try:
         for _ in range(3):
-            port = free_port()
-            while port > 55535:  # the cluster bus listens on port + 10000
-                port = free_port()
-            nodes.append(start_redis(port, "--cluster-enabled", "yes", "--cluster-config-file",
-                                     f"nodes-{port}.conf", "--cluster-node-timeout", "2000"))
+            # start_redis picks ports whose bus port (port + 10000) is free too, and retries
+            # on other ports when either was taken before redis-server bound it
+            nodes.append(start_redis(None, "--cluster-enabled", "yes", "--cluster-config-file",
+                                     "nodes-{port}.conf", "--cluster-node-timeout", "2000"))
         addrs = [f"127.0.0.1:{n.port}" for n in nodes]
         subprocess.run(["redis-cli", "--cluster", "create", *addrs, "--cluster-yes"], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)

@@ -55,7 +55,11 @@ def test_every_policy_end_to_end(tmp_path, redis_url):
             if p["kind"] == "gate":  # how each of its turns got in
                 assert sum(r["admissions"].values()) == r["turns"]
         if p["policy"] == "none":
-            assert all(r["waited_s"] < 0.05 for r in rows)  # nothing holds a turn back
+            # nothing holds a turn back: no gate was built or called for it, so no turn has an
+            # admission record, a gate config, gate samples or step metrics
+            assert all(r["admissions"] == {} for r in rows)
+            assert (p["gate"], p["gate_over_time"], p["step_metrics"]) == ({}, [], {})
+            assert p["waits"] == 0 and p["gate_preemptions"] == 0
         lag = p["loop_lag_s"]  # the bench's own event loop was watched for the whole step
         assert lag["n"] > 0 and 0 <= lag["p50"] <= lag["p99"] <= lag["max"]
         if p["kind"] == "gate":
@@ -460,6 +464,15 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@pytest.mark.redis_real
 @pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs /proc")
 @pytest.mark.parametrize("delay", [0.0, 0.5])  # 0: while the simulator is still starting
 def test_sigterm_stops_the_simulator_and_the_embedded_redis(tmp_path, delay):
@@ -470,25 +483,36 @@ def test_sigterm_stops_the_simulator_and_the_embedded_redis(tmp_path, delay):
     import sys
     import time
 
+    from conftest import require_binaries
+
+    require_binaries("redis-server")  # the embedded Redis must be a child process here, not fakeredis
     p = subprocess.Popen([sys.executable, "-m", "kvgate.bench", "--policies", "none,kvgate", "--sessions", "6",
-                          "--turns", "20", "--out", str(tmp_path / "o"), "--no-progress", "--no-plots"],
+                          "--turns", "20", "--embedded-redis", "redis-server", "--out", str(tmp_path / "o"),
+                          "--no-progress", "--no-plots"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
         kids: list[int] = []
+        sims: list[int] = []
+        redises: list[int] = []
         while time.monotonic() < deadline:
             kids = _children(p.pid)
-            cmds = []
+            sims, redises = [], []
             for k in kids:
                 try:
                     with open(f"/proc/{k}/cmdline") as f:
-                        cmds.append(f.read())
+                        cmd = f.read()
                 except OSError:
-                    pass
-            if any("kvgate.sim" in c for c in cmds):
+                    continue
+                if "kvgate.sim" in cmd:
+                    sims.append(k)
+                if _comm(k) == "redis-server" or cmd.split("\0", 1)[0].endswith("redis-server"):
+                    redises.append(k)
+            if sims and redises:
                 break
             time.sleep(0.1)
-        assert any("kvgate.sim" in c for c in cmds), cmds
+        # both children existed: the simulator, and the embedded redis-server (started first)
+        assert sims and redises, [(k, _comm(k)) for k in kids]
         time.sleep(delay)
         p.send_signal(signal.SIGTERM)
         rc = p.wait(timeout=60)
@@ -499,6 +523,7 @@ def test_sigterm_stops_the_simulator_and_the_embedded_redis(tmp_path, delay):
         while any(_running(k) for k in kids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [k for k in kids if _running(k)]
+        assert not any(_running(k) for k in sims + redises)  # the simulator and the redis-server too
         assert not (tmp_path / "o" / "bench.json").exists()
     finally:
         if p.poll() is None:

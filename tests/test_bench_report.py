@@ -89,20 +89,28 @@ def test_lag_warnings_name_the_policies_whose_bench_was_short_of_cpu():
 
     from kvgate.bench.report import LAG_P50_WARN_S, lag_warnings
 
-    quiet = replace(_result(Policy("none", "none"), 10.0, 20, 100), loop_lags=[0.001] * 50 + [0.3])
+    # lags on either side of the threshold, whatever its value: a quiet median at a fifth of
+    # it (a worst wake-up far above it does not count), a starved one at four times it
+    low, high = LAG_P50_WARN_S / 5, LAG_P50_WARN_S * 4
+    quiet = replace(_result(Policy("none", "none"), 10.0, 20, 100), loop_lags=[low] * 50 + [0.3])
     starved = replace(_result(Policy("kvgate", "gate", admission=True, residency=True), 7.0, 80, 100,
-                              reasons=("open",)), loop_lags=[0.002, 0.02, 0.03])
+                              reasons=("open",)), loop_lags=[low, high, high * 1.5])
     unmeasured = _result(Policy("cap-4", "cap", cap=4), 6.0, 80, 100)
     summary = summarize([quiet, starved, unmeasured], _workload())
     rows = {x["policy"]: x for x in summary["policies"]}
-    assert rows["none"]["loop_lag_s"] == {"p50": 0.001, "p99": rows["none"]["loop_lag_s"]["p99"],
+    assert rows["none"]["loop_lag_s"] == {"p50": low, "p99": rows["none"]["loop_lag_s"]["p99"],
                                           "max": 0.3, "n": 51}
     assert rows["cap-4"]["loop_lag_s"]["p50"] is None
     warnings = lag_warnings(summary, 0.02)
     assert len(warnings) == 1 and warnings[0].startswith("kvgate: ")
-    assert "20.0 ms late" in warnings[0] and "1.00 s of model time at time scale 0.02" in warnings[0]
-    assert 0.001 < LAG_P50_WARN_S < 0.02
+    assert f"{high * 1000:.1f} ms late" in warnings[0]
+    assert f"{high / 0.02:.2f} s of model time at time scale 0.02" in warnings[0]
     assert lag_warnings(summary, 1.0)[0].endswith("--time-scale")
+    # the threshold itself: a median exactly at it is not "short of CPU", just above it is
+    at = summarize([replace(quiet, loop_lags=[LAG_P50_WARN_S] * 3)], _workload())
+    assert lag_warnings(at, 0.02) == []
+    above = summarize([replace(quiet, loop_lags=[LAG_P50_WARN_S * 1.01] * 3)], _workload())
+    assert len(lag_warnings(above, 0.02)) == 1
 
 
 def test_a_starved_round_is_reported_though_the_median_round_was_not():

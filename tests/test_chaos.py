@@ -473,21 +473,37 @@ def test_async_cancel_removes_waiter_atomically(fresh_redis, how):
 
 
 def test_async_cancel_racing_grant_never_leaks(fresh_redis):
-    """Release the holder (which grants the waiter) and cancel the waiter at the same moment,
-    many times, with the release from this loop or from another connection in a thread."""
+    """A grant and the waiter's cancellation at the same moment never leak the grant.
+
+    Forced rounds (deterministic): a hook in the waiter's wait makes the holder's release
+    grant the waiter after the waiter woke and before its re-check, then cancels the waiter's
+    task there: its cancel must find the grant and give it back (cancel.lua answers
+    removed=lease) every time. Free rounds: the release (from this loop, or from another
+    connection in a thread) and the cancel at random offsets; any outcome, nothing leaked."""
     r = fresh_redis.client(decode_responses=True)
     rounds = 80
+    forced_rounds = range(0, rounds, 2)
     seen = {"cancelled": 0, "admitted": 0, "grant_given_back": 0}
+    hook: dict = {}
 
-    class CountingGate(kvgate.AsyncGate):
+    class RacingGate(kvgate.AsyncGate):
         async def _eval(self, name, params):
             out = await super()._eval(name, params)
             if name == "cancel" and out.get("removed") == "lease":
                 seen["grant_given_back"] += 1
             return out
 
+        async def _wait(self, ev, timeout_s, abort_event):
+            res = await super()._wait(ev, timeout_s, abort_event)
+            fire = hook.pop("fire", None)
+            if fire is not None:
+                await fire()  # the grant lands now: the waiter woke and has not re-checked
+                asyncio.current_task().cancel()
+                await asyncio.sleep(0)  # ... and its cancellation arrives here
+            return res
+
     async def main():
-        g = CountingGate.from_url(fresh_redis.url, gate="race", config=_cfg())
+        g = RacingGate.from_url(fresh_redis.url, gate="race", config=_cfg())
         other = kvgate.Gate.from_url(fresh_redis.url, gate="race", config=_cfg())
         rng = random.Random(7)
         try:
@@ -495,29 +511,40 @@ def test_async_cancel_racing_grant_never_leaks(fresh_redis):
             for i in range(rounds):
                 holder = await g.acquire(f"h{i}", prompt_tokens=HOLD, max_new_tokens=0, retain_session=False)
                 assert holder.outcome == "admit"
+                given_back = seen["grant_given_back"]
+                if i in forced_rounds:
+                    hook["fire"] = holder.release
                 w = asyncio.ensure_future(g.acquire(f"w{i}", prompt_tokens=WAIT, max_new_tokens=0))
-                for _ in range(500):
-                    if r.zcard(g.key("fifo")) == 1:
-                        break
-                    await asyncio.sleep(0.005)
-                assert r.zcard(g.key("fifo")) == 1
-                delay = rng.choice([0.0, 0.0, 0.0005, 0.001, 0.002, 0.004])
-                if i % 2:
-                    rel = asyncio.ensure_future(holder.release())
-                else:
-                    rel = asyncio.ensure_future(asyncio.to_thread(other._release, holder.ticket, 0.0, None))
-                    holder.released = True
-                if delay:
-                    await asyncio.sleep(delay)
-                w.cancel()
-                try:
-                    lease = await asyncio.wait_for(w, HANG_S)
-                except asyncio.CancelledError:
+                rel = None
+                if i in forced_rounds:
+                    with pytest.raises(asyncio.CancelledError):
+                        await asyncio.wait_for(w, HANG_S)
                     seen["cancelled"] += 1
+                    assert "fire" not in hook, "the hook did not run"
+                    assert seen["grant_given_back"] == given_back + 1, "the grant was not given back"
                 else:
-                    seen["admitted"] += 1
-                    await lease.release()
-                await asyncio.wait_for(rel, HANG_S)
+                    for _ in range(500):
+                        if r.zcard(g.key("fifo")) == 1:
+                            break
+                        await asyncio.sleep(0.005)
+                    assert r.zcard(g.key("fifo")) == 1
+                    delay = rng.choice([0.0, 0.0, 0.0005, 0.001, 0.002, 0.004])
+                    if i % 4 == 1:
+                        rel = asyncio.ensure_future(holder.release())
+                    else:
+                        rel = asyncio.ensure_future(asyncio.to_thread(other._release, holder.ticket, 0.0, None))
+                        holder.released = True
+                    if delay:
+                        await asyncio.sleep(delay)
+                    w.cancel()
+                    try:
+                        lease = await asyncio.wait_for(w, HANG_S)
+                    except asyncio.CancelledError:
+                        seen["cancelled"] += 1
+                    else:
+                        seen["admitted"] += 1
+                        await lease.release()
+                    await asyncio.wait_for(rel, HANG_S)
                 # nothing leaked: no lease, no waiter, a ledger of 0
                 assert r.hlen(g.key("leases")) == 0, r.hgetall(g.key("leases"))
                 assert r.zcard(g.key("fifo")) == 0 and r.hlen(g.key("waiters")) == 0
@@ -528,31 +555,64 @@ def test_async_cancel_racing_grant_never_leaks(fresh_redis):
 
     asyncio.run(main())
     assert seen["cancelled"] + seen["admitted"] == rounds
+    # every forced round raced (and was given back); free rounds may add more
+    assert seen["grant_given_back"] >= len(forced_rounds), seen
     print(f"\nrace outcomes: {seen}")
 
 
 def test_sync_abort_racing_grant_never_leaks(fresh_redis):
-    """The sync gate's abort_event set at the moment the holder's release grants the waiter."""
+    """The sync gate's abort_event set at the moment the holder's release grants the waiter.
+
+    Forced rounds (deterministic): a hook in the waiter's wait releases the holder (which
+    grants the waiter) after the waiter woke and before its re-check, then sets the abort: the
+    waiter's cancel must give the grant back every time. Free rounds: abort and release in
+    either order at random offsets; any outcome, nothing leaked."""
     r = fresh_redis.client(decode_responses=True)
-    g = kvgate.Gate.from_url(fresh_redis.url, gate="srace", config=_cfg())
+    seen = {"aborted": 0, "admitted": 0, "grant_given_back": 0}
+    hook: dict = {}
+    lock = threading.Lock()
+
+    class RacingGate(kvgate.Gate):
+        def _eval(self, name, params):
+            out = super()._eval(name, params)
+            if name == "cancel" and out.get("removed") == "lease":
+                with lock:
+                    seen["grant_given_back"] += 1
+            return out
+
+        def _wait(self, ev, timeout_s, abort_event):
+            res = super()._wait(ev, timeout_s, abort_event)
+            fire = hook.pop("fire", None)
+            if fire is not None:
+                fire()             # the grant lands now: the waiter woke and has not re-checked
+                abort_event.set()  # ... and its caller aborts at that moment
+                return "abort"     # what the wait reports once the abort event is set
+            return res
+
+    g = RacingGate.from_url(fresh_redis.url, gate="srace", config=_cfg())
     rng = random.Random(11)
-    seen = {"aborted": 0, "admitted": 0}
+    rounds = 40
+    forced_rounds = range(0, rounds, 2)
     ex = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     try:
         g.write_snapshot(_engines())
-        for i in range(40):
+        for i in range(rounds):
             holder = g.acquire(f"h{i}", prompt_tokens=HOLD, max_new_tokens=0, retain_session=False)
             assert holder.outcome == "admit"
             abort = threading.Event()
+            given_back = seen["grant_given_back"]
+            if i in forced_rounds:
+                hook["fire"] = holder.release
             fut = ex.submit(g.acquire, f"w{i}", prompt_tokens=WAIT, max_new_tokens=0, abort_event=abort)
-            wait_until(lambda: r.zcard(g.key("fifo")) == 1, what="the waiter to enqueue")
-            if rng.random() < 0.5:
-                abort.set()
-                holder.release()
-            else:
-                holder.release()
-                time.sleep(rng.choice([0.0, 0.001, 0.003]))
-                abort.set()
+            if i not in forced_rounds:
+                wait_until(lambda: r.zcard(g.key("fifo")) == 1, what="the waiter to enqueue")
+                if rng.random() < 0.5:
+                    abort.set()
+                    holder.release()
+                else:
+                    holder.release()
+                    time.sleep(rng.choice([0.0, 0.001, 0.003]))
+                    abort.set()
             done, _ = concurrent.futures.wait([fut], timeout=HANG_S)
             assert done, "an aborted waiter hung"
             try:
@@ -560,12 +620,18 @@ def test_sync_abort_racing_grant_never_leaks(fresh_redis):
             except kvgate.AdmissionCancelled:
                 seen["aborted"] += 1
             else:
+                assert i not in forced_rounds, "a forced round's waiter claimed the grant it aborted"
                 seen["admitted"] += 1
                 lease.release()
+            if i in forced_rounds:
+                assert "fire" not in hook, "the hook did not run"
+                assert seen["grant_given_back"] == given_back + 1, "the grant was not given back"
             assert r.hlen(g.key("leases")) == 0, r.hgetall(g.key("leases"))
             assert r.zcard(g.key("fifo")) == 0 and r.hlen(g.key("waiters")) == 0
             assert _ledger_consistent(r, g) == 0
     finally:
         ex.shutdown(wait=False)
         g.close()
+    assert seen["aborted"] + seen["admitted"] == rounds
+    assert seen["grant_given_back"] >= len(forced_rounds), seen
     print(f"\nsync race outcomes: {seen}")

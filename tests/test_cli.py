@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import threading
 
 import httpx
 import pytest
@@ -15,7 +15,15 @@ import pytest
 import kvgate
 from kvgate.cli import add_knob_arguments, build_parser, config_from_args, main
 from kvgate.poller import leader_key
-from test_poller_support import FakeHTTP, env_without_proxies, free_port, sglang_metrics, text, wait_until
+from test_poller_support import (
+    FakeHTTP,
+    RefusedPort,
+    env_without_proxies,
+    free_port,
+    sglang_metrics,
+    text,
+    wait_until,
+)
 
 
 def run_cli(*argv: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -107,7 +115,8 @@ def test_argument_errors(argv, needle, capsys, monkeypatch):
 
 
 def test_status_redis_down_is_a_message(capsys):
-    rc = main(["status", "--redis", f"redis://127.0.0.1:{free_port()}/0", "--gate", "g", "--json"])
+    with RefusedPort() as dead:
+        rc = main(["status", "--redis", f"redis://127.0.0.1:{dead.port}/0", "--gate", "g", "--json"])
     assert rc == 1
     assert "cannot read gate 'g'" in capsys.readouterr().err
 
@@ -166,11 +175,33 @@ def test_top_refreshes_a_bounded_number_of_times(redis_url):
 
 
 # -- pollers as processes -----------------------------------------------------------------------
-def _start_poller(redis_url: str, gate: str, *extra: str) -> subprocess.Popen:
+def _start_poller(redis_url: str, gate: str, *extra: str, log_level: str = "WARNING") -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "kvgate.cli", "--log-level", "WARNING", "poller", "--redis", redis_url,
+        [sys.executable, "-m", "kvgate.cli", "--log-level", log_level, "poller", "--redis", redis_url,
          "--gate", gate, "--interval", "0.2", "--leader-ttl", "1.0", "--http-timeout", "0.5", *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env_without_proxies())
+
+
+class _StderrLines:
+    """Collects a child's stderr lines on a thread (the poller logs its leadership changes:
+    "poller <host:pid:id> is now LEADER" / "... is now standby")."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: list[str] = []
+        self._t = threading.Thread(target=self._read, args=(proc.stderr,), daemon=True)
+        self._t.start()
+
+    def _read(self, stream) -> None:
+        for raw in iter(stream.readline, b""):
+            self.lines.append(raw.decode(errors="replace").rstrip())
+
+    def leadership(self, pid: int) -> list[str]:
+        """The leadership changes the poller with this pid logged, in order."""
+        out = []
+        for ln in list(self.lines):
+            if f":{pid}:" in ln and " is now " in ln:
+                out.append(ln.rsplit(" is now ", 1)[1].strip())
+        return out
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -249,40 +280,61 @@ def test_paused_leader_loses_the_lease_and_does_not_take_it_back(redis_url, engi
     import redis as redis_lib
 
     r = redis_lib.Redis.from_url(redis_url)
-    procs = [_start_poller(redis_url, "stall", "--engine", engine.url) for _ in range(2)]
+    gate = kvgate.Gate.from_url(redis_url, gate="stall")
+    procs = [_start_poller(redis_url, "stall", "--engine", engine.url, log_level="INFO") for _ in range(2)]
+    logs = {p.pid: _StderrLines(p) for p in procs}
     try:
         leader = wait_until(lambda: _leader_pid(r, "stall"), timeout=20)
         standby = next(p.pid for p in procs if p.pid != leader)
+        wait_until(lambda: logs[leader].leadership(leader) == ["LEADER"], timeout=10, what="the leader's log")
         os.kill(leader, signal.SIGSTOP)  # a stalled leader (GC pause, swapped out, ...)
         try:
             wait_until(lambda: _leader_pid(r, "stall") == standby, timeout=15)
         finally:
             os.kill(leader, signal.SIGCONT)
-        time.sleep(1.0)  # a few of the old leader's ticks: its extend fails, its acquire loses
+        # the old leader's first tick after the pause: its extend fails, its acquire loses,
+        # and it says so (a bounded wait for that event, not a sleep standing in for it)
+        wait_until(lambda: "standby" in logs[leader].leadership(leader), timeout=20,
+                   what="the resumed leader to notice it lost the lease")
+        # and the new leader keeps writing: two more of its snapshots after that
+        ts = int(r.hget(gate.key("snapshot"), "ts_ms"))
+        wait_until(lambda: int(r.hget(gate.key("snapshot"), "ts_ms")) > ts, timeout=10)
+        ts = int(r.hget(gate.key("snapshot"), "ts_ms"))
+        wait_until(lambda: int(r.hget(gate.key("snapshot"), "ts_ms")) > ts, timeout=10)
         assert _leader_pid(r, "stall") == standby
+        assert logs[leader].leadership(leader) == ["LEADER", "standby"]  # it never took the lease back
         assert all(p.poll() is None for p in procs)
     finally:
         for p in procs:
             _stop(p)
+        gate.close()
 
 
 def test_poller_dry_run_prints_states_without_redis(engine, capsys):
-    dead = f"http://127.0.0.1:{free_port()}"
-    rc = main(["poller", "--redis", f"redis://127.0.0.1:{free_port()}/0", "--gate", "g", "--engine", engine.url,
-               "--engine", dead, "--http-timeout", "0.5", "--dry-run"])
+    refused_engine, refused_redis = RefusedPort(), RefusedPort()
+    dead = refused_engine.url
+    try:
+        rc = main(["poller", "--redis", f"redis://127.0.0.1:{refused_redis.port}/0", "--gate", "g",
+                   "--engine", engine.url, "--engine", dead, "--http-timeout", "0.5", "--dry-run"])
+    finally:
+        refused_redis.close()
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["would_write"] and out["source"] == "static"
     eng = {e["engine_id"]: e for e in out["engines"]}
     assert eng[engine.url]["cap"] == 50_000 and eng[engine.url]["healthy"] == 1
     assert eng[dead]["healthy"] == 0 and dead in out["errors"]
-    rc = main(["poller", "--redis", "redis://127.0.0.1:1/0", "--gate", "g", "--engine", dead,
-               "--http-timeout", "0.5", "--dry-run"])
+    try:
+        rc = main(["poller", "--redis", "redis://127.0.0.1:1/0", "--gate", "g", "--engine", dead,
+                   "--http-timeout", "0.5", "--dry-run"])
+    finally:
+        refused_engine.close()
     assert rc == 1 and json.loads(capsys.readouterr().out)["reason"] == "no_healthy_engine"
 
 
 def test_top_with_redis_down_keeps_refreshing_and_says_why():
-    r = run_cli("top", "--redis", f"redis://127.0.0.1:{free_port()}/0", "--gate", "g", "--iterations", "2",
-                "--refresh", "0.1", "--redis-timeout-s", "0.2")
+    with RefusedPort() as dead:
+        r = run_cli("top", "--redis", f"redis://127.0.0.1:{dead.port}/0", "--gate", "g", "--iterations", "2",
+                    "--refresh", "0.1", "--redis-timeout-s", "0.2")
     assert r.returncode == 0, r.stderr
     assert "cannot read gate 'g'" in r.stdout
 

@@ -15,7 +15,7 @@ from kvgate.discovery import (
     normalize_base_url,
     parse_workers,
 )
-from test_poller_support import FakeHTTP, free_port, hang, html, huge, js, text
+from test_poller_support import FakeHTTP, RefusedPort, hang, html, huge, js, text
 
 
 @pytest.fixture
@@ -94,8 +94,8 @@ def test_router_unusable_raises(srv):
 
 
 def test_router_unreachable_raises():
-    with pytest.raises(DiscoveryError):
-        run(_discover(Discovery(router=f"http://127.0.0.1:{free_port()}", timeout_s=0.5)))
+    with RefusedPort() as dead, pytest.raises(DiscoveryError):
+        run(_discover(Discovery(router=dead.url, timeout_s=0.5)))
 
 
 def test_router_hanging_is_bounded(srv):

@@ -52,18 +52,25 @@ def test_every_knob_rejects_bad_values(knob, value):
     ("high_watermark", 0.0, "residency"), ("hit_threshold", 5.0, "residency"),
 ])
 def test_feature_knobs_validated_only_when_feature_on(knob, value, feature):
-    GateConfig(**{knob: value, feature: False})  # accepted: the feature is off
-    with pytest.raises(ValueError):
+    c = GateConfig(**{knob: value, feature: False})  # accepted: the feature is off
+    assert getattr(c, knob) == value and getattr(c, feature) is False  # kept as given, not clamped
+    with pytest.raises(ValueError, match=knob):
         GateConfig(**{knob: value})
 
 
 def test_watermark_above_pressure_allowed_without_admission():
-    GateConfig(admission=False, high_watermark=0.95)
+    c = GateConfig(admission=False, high_watermark=0.95)
+    assert (c.admission, c.residency, c.high_watermark, c.pressure_threshold) == (False, True, 0.95, 0.92)
+    assert c.gating  # residency alone still gates
 
 
 def test_boundaries_accepted():
-    GateConfig(headroom=1.0, pressure_threshold=1.0, high_watermark=1.0, hit_threshold=0.0,
-               max_wait_s=0.0, idle_grace_s=0.0)
+    c = GateConfig(headroom=1.0, pressure_threshold=1.0, high_watermark=1.0, hit_threshold=0.0,
+                   max_wait_s=0.0, idle_grace_s=0.0)
+    assert (c.headroom, c.pressure_threshold, c.high_watermark, c.hit_threshold) == (1.0, 1.0, 1.0, 0.0)
+    assert (c.max_wait_s, c.idle_grace_s) == (0.0, 0.0)
+    # the rest keep their defaults
+    assert (c.wait_poll_s, c.lease_ttl_s, c.staleness_s, c.scope) == (5.0, 600.0, 6.0, "train")
 
 
 def test_env_overrides():

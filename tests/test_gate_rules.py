@@ -607,30 +607,59 @@ def test_aged_admission_over_commits_when_no_window_is_idle(backend, clock):
     assert ledger(g) == 0
 
 
+class _ParkingGate(kvgate.Gate):
+    """Records its acquire replies: a waiter's first call enqueues it, its second is the
+    re-check right after its pub/sub listener subscribed; after that it sleeps on its event
+    until a message names its ticket or a whole poll passes."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.replies: list[dict] = []
+        self._cv = threading.Condition()
+
+    def _eval(self, name, params):
+        r = super()._eval(name, params)
+        if name == "acquire":
+            with self._cv:
+                self.replies.append(r)
+                self._cv.notify_all()
+        return r
+
+    def wait_parked(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            ok = self._cv.wait_for(lambda: len(self.replies) >= 2, timeout)
+            got = [r.get("o") for r in self.replies]
+        assert ok and got[:2] == ["wait", "wait"], got
+
+
+#: a poll this long tells a pub/sub wake-up (within WAKE_S) from the waiter's own re-check
+LONG_POLL = dict(wait_poll_s=60.0, max_wait_s=120.0)
+WAKE_S = 20.0
+
+
 def test_waiter_is_granted_when_a_lease_is_released(backend):
-    g = mkgate(backend, headroom=1.0, residency=False, wait_poll_s=5.0, max_wait_s=10.0)
+    g = mkgate(backend, headroom=1.0, residency=False, **LONG_POLL)
     g.write_snapshot(engines(cap=100))
     first = g.acquire("a", prompt_tokens=80, max_new_tokens=0)
     result = {}
+    g2 = _ParkingGate(backend(), gate="g1", config=kvgate.GateConfig(**{**FAST, "headroom": 1.0,
+                                                                         "residency": False, **LONG_POLL}))
 
     def waiter():
-        g2 = mkgate(backend, headroom=1.0, residency=False, wait_poll_s=5.0, max_wait_s=10.0)
         result["lease"] = g2.acquire("b", prompt_tokens=50, max_new_tokens=0)
-        g2.close()
 
-    t = threading.Thread(target=waiter)
+    t = threading.Thread(target=waiter, daemon=True)
     t.start()
-    deadline = time.monotonic() + 5
-    while g.redis.zcard(g.key("fifo")) == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.3)  # let the waiter subscribe
+    g2.wait_parked()  # enqueued, subscribed, and asleep until a message or its 60 s poll
+    assert g.redis.zcard(g.key("fifo")) == 1
     t0 = time.monotonic()
     first.release()
-    t.join(timeout=10)
+    t.join(timeout=WAKE_S + 10)
     assert not t.is_alive()
+    g2.close()
     lease = result["lease"]
     assert (lease.outcome, lease.reason) == ("admit", "open") and lease.waited_s > 0
-    assert time.monotonic() - t0 < 4.0  # woken by pub/sub, well before its 5 s poll
+    assert time.monotonic() - t0 < WAKE_S  # woken by pub/sub: its own poll is 60 s away
     m = g.step_metrics()
     assert m["agentic_kv/admission/wait_seconds_mean"] > 0
 
@@ -880,20 +909,39 @@ def test_async_turn_window_and_cancel(redis_url):
 
 
 def test_async_preemption_and_grant(redis_url):
+    async def until(pred, what: str, timeout: float = 20.0):
+        """Poll ``pred`` (async) until truthy, bounded: a hang guard, not a timing claim."""
+        deadline = time.monotonic() + timeout
+        while not (v := await pred()):
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.01)
+        return v
+
     async def main():
-        cfg = kvgate.GateConfig(**{**FAST, "max_wait_s": 10.0, "wait_poll_s": 5.0, "residency": False,
-                                   "headroom": 1.0})
+        cfg = kvgate.GateConfig(**{**FAST, **LONG_POLL, "residency": False, "headroom": 1.0})
         g = kvgate.AsyncGate.from_url(redis_url, gate="ag2", config=cfg)
         await g.write_snapshot(engines(cap=100))
         big = await g.acquire("a", prompt_tokens=100, max_new_tokens=0)
         old = asyncio.create_task(g.acquire("s", prompt_tokens=10, max_new_tokens=0))
-        await asyncio.sleep(0.3)
+        # the old attempt is in the FIFO, and this gate's listener is subscribed
+        fifo = await until(lambda: g.redis.zrange(g.key("fifo"), 0, -1), "the old attempt to enqueue")
+        assert len(fifo) == 1
+        old_ticket = fifo[0]
+
+        async def subscribed():
+            return (await g.redis.pubsub_numsub(g.channel))[0][1] >= 1
+        await until(subscribed, "the listener to subscribe")
         new = asyncio.create_task(g.acquire("s", prompt_tokens=10, max_new_tokens=0))
         with pytest.raises(kvgate.Preempted):
-            await asyncio.wait_for(old, 5)
-        await asyncio.sleep(0.2)
+            await asyncio.wait_for(old, WAKE_S)  # woken by the preemption message, not its 60 s poll
+
+        async def new_in_place():
+            return await g.redis.zrange(g.key("fifo"), 0, -1) not in ([], [old_ticket])
+        await until(new_in_place, "the new attempt to take the old one's place")
+        t0 = time.monotonic()
         await big.release()
-        lease = await asyncio.wait_for(new, 4)  # woken by the grant, not by its 5 s poll
+        lease = await asyncio.wait_for(new, WAKE_S + 10)
+        assert time.monotonic() - t0 < WAKE_S  # woken by the grant, not by its 60 s poll
         assert (lease.reason, lease.tokens) == ("open", 10)
         assert await g.num_preempted("s") == 1
         await lease.release()

@@ -1,7 +1,9 @@
 """Loopback HTTP servers for the poller / discovery / lifecycle tests (no tests in here).
 
-`FakeHTTP` is a real `ThreadingHTTPServer` on 127.0.0.1:<free port> whose routes are plain
-callables, switchable while it runs: a route can answer text, JSON, hang, or stream a huge body.
+`FakeHTTP` is a real `ThreadingHTTPServer` bound to 127.0.0.1:0 (the kernel's free port,
+held from the start) whose routes are plain callables, switchable while it runs: a route can
+answer text, JSON, hang, or stream a huge body. `RefusedPort` holds a loopback port that
+refuses connections, for a dead engine or router URL.
 """
 from __future__ import annotations
 
@@ -22,9 +24,35 @@ def read_data(name: str) -> str:
 
 
 def free_port() -> int:
+    """A port free right now, NOT held: only for a process that binds it itself and fails
+    loudly when it lost the race. For a dead URL use RefusedPort; for a server, bind port 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class RefusedPort:
+    """A loopback port bound but never listening, held until ``close()`` (or the ``with``
+    block ends): a connection to it is refused at once, and no other process can start
+    listening on it meanwhile (a free port merely probed could be taken and answer)."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> "RefusedPort":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Reply:
@@ -117,8 +145,9 @@ class FakeHTTP:
             def do_POST(self):
                 self._serve("POST")
 
-        self.port = free_port()
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), H)
+        # bound here, to a port the kernel picks: nothing can take it between choosing and binding
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.server.server_address[1]
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
                                        daemon=True)
