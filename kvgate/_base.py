@@ -4,6 +4,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import os
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -71,6 +72,10 @@ class GateBase:
         self._local_lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # blocking probes (_submit_probe)
         self._probes_running = 0
+        self._pool_pid = os.getpid()  # a child of os.fork() inherits a pool whose threads it has not
+        # the client is closed by close()/aclose() only when the gate built it (from_url): a
+        # client passed in is the caller's, and may serve other gates
+        self._owns_client = False
         self._turns = Counter()          # per-session turn counter when the caller gives no index
         self._last_end: OrderedDict[str, float] = OrderedDict()  # session -> monotonic end of its last turn
         self._sources = {n: script_source(n) for n in SCRIPT_NAMES}
@@ -84,6 +89,8 @@ class GateBase:
         use it: the async gate must not lend the event loop's default executor to a probe,
         which redis-py's asyncio client needs to resolve host names."""
         with self._local_lock:
+            if self._pool_pid != os.getpid():  # forked: the pool's threads stayed in the parent
+                self._pool, self._probes_running, self._pool_pid = None, 0, os.getpid()
             if self._probes_running >= PROBE_THREADS:
                 return ProbeResult(None, detail="probe failed: all probe threads busy")
             self._probes_running += 1

@@ -129,7 +129,9 @@ class AsyncGate(GateBase):
             client = RedisCluster.from_url(url, **kw)
         else:
             client = aioredis.Redis.from_url(url, **kw)
-        return cls(client, gate=gate, config=cfg, probe=probe)
+        g = cls(client, gate=gate, config=cfg, probe=probe)
+        g._owns_client = True
+        return g
 
     async def aclose(self) -> None:
         """Wait (bounded) for releases and cancels still in flight, send what was deferred,
@@ -146,8 +148,9 @@ class AsyncGate(GateBase):
                 await self._listener.close()
             finally:
                 self._shutdown_probe_pool()
-                with contextlib.suppress(Exception):
-                    await self.redis.aclose()
+                if self._owns_client:  # a client passed in is the caller's (see Gate.close)
+                    with contextlib.suppress(Exception):
+                        await self.redis.aclose()
 
     async def __aenter__(self) -> "AsyncGate":
         return self
@@ -209,10 +212,10 @@ class AsyncGate(GateBase):
 
     async def _call(self, name: str, params: dict) -> dict:
         self._bind_loop()
+        args = self._args(params)
         try:
-            raw = await wait_for(self._scripts[name](keys=self._keys, args=self._args(params)),
-                                 self._deadline_s())
-        except REDIS_ERRORS as e:
+            raw = await wait_for(self._scripts[name](keys=self._keys, args=args), self._deadline_s())
+        except (*REDIS_ERRORS, ValueError) as e:  # ValueError: a socket closed under the call
             self._trip()
             raise RedisDown(str(e) or type(e).__name__) from e
         return self._decode(raw)

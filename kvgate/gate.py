@@ -162,6 +162,8 @@ class Gate(GateBase):
         # session -> {thread ident: turns in flight}: finish_session joins the other threads' turns
         self._inflight: dict[str, dict[int, int]] = {}
         self._inflight_cv = threading.Condition()
+        self._calls = 0                      # script calls on the wire (close() waits for them)
+        self._calls_cv = threading.Condition()
 
     @classmethod
     def from_url(cls, url: str, gate: str, config: GateConfig | None = None, probe: Any = None,
@@ -177,14 +179,23 @@ class Gate(GateBase):
             client = redis.RedisCluster.from_url(url, **kw)
         else:
             client = redis.Redis.from_url(url, **kw)
-        return cls(client, gate=gate, config=cfg, probe=probe)
+        g = cls(client, gate=gate, config=cfg, probe=probe)
+        g._owns_client = True
+        return g
 
     def close(self) -> None:
+        """Wait (for one call's bound) for script calls other threads have on the wire, send
+        what was deferred, stop the listener and the probe threads, and close the client if
+        ``from_url`` built it (a client passed in is the caller's). Closing the client under
+        another thread's release made it raise, and left its lease charged until lease_ttl_s."""
+        with self._calls_cv:
+            self._calls_cv.wait_for(lambda: self._calls == 0, timeout=self.config.redis_timeout_s * 2 + 0.5)
         self._flush_at_close()
         self._listener.close()
         self._shutdown_probe_pool()
-        with contextlib.suppress(Exception):
-            self.redis.close()
+        if self._owns_client:
+            with contextlib.suppress(Exception):
+                self.redis.close()
 
     def __enter__(self) -> "Gate":
         return self
@@ -207,12 +218,33 @@ class Gate(GateBase):
         return self._call(name, params)
 
     def _call(self, name: str, params: dict) -> dict:
+        args = self._args(params)
+        with self._calls_cv:
+            self._calls += 1
         try:
-            raw = self._scripts[name](keys=self._keys, args=self._args(params))
+            raw = self._scripts[name](keys=self._keys, args=args)
+        except Exception as e:  # noqa: BLE001 - only the call is in here: any failure of it is a fault
+            # REDIS_ERRORS, and what a client closed under the call raises ("I/O operation on
+            # closed file" is a ValueError): the agent loop must never see it (SPEC 8)
+            self._trip()
+            raise RedisDown(str(e) or type(e).__name__) from e
+        finally:
+            with self._calls_cv:
+                self._calls -= 1
+                self._calls_cv.notify_all()
+        return self._decode(raw)
+
+    def _plain(self, fn: Any) -> Any:
+        """A plain Redis command outside the scripts (finish_session's engine URLs and close
+        counters, num_preempted): skipped while the breaker is open, a fault trips it.
+        Raises RedisDown."""
+        if self._breaker_open():
+            raise BreakerOpen("breaker open after a recent Redis fault")
+        try:
+            return fn()
         except REDIS_ERRORS as e:
             self._trip()
             raise RedisDown(str(e) or type(e).__name__) from e
-        return self._decode(raw)
 
     def _flush_deferred(self) -> None:
         """Send releases and cancels that Redis missed, before the call that found it back;
@@ -263,8 +295,10 @@ class Gate(GateBase):
         try:
             yield lease
         finally:
-            lease.release()
-            self._turn_done(lease)
+            try:
+                lease.release()
+            finally:
+                self._turn_done(lease)  # also when release raised: finish_session must not wait for it
 
     def _turn_done(self, lease: Lease) -> None:
         if lease.outcome == "pass":
@@ -360,6 +394,14 @@ class Gate(GateBase):
         except Exception as e:  # noqa: BLE001 - a failed probe is an unavailable probe
             fut.cancel()
             return ProbeResult(None, detail=f"probe failed: {type(e).__name__}: {e}")
+        except BaseException as e:
+            # raised by the probe in its thread (SystemExit, CancelledError, GeneratorExit...):
+            # a probe fault, never an interrupt of this caller; a KeyboardInterrupt that hit
+            # this thread while it waited is not the future's, and goes on
+            if fut.done() and not fut.cancelled() and fut.exception() is e:
+                return ProbeResult(None, detail=f"probe failed: {type(e).__name__}: {e}")
+            fut.cancel()
+            raise
 
     def _release(self, ticket: str, latency_s: float, turn_index: int | None) -> bool:
         params = {"ticket": ticket, "lat_ms": latency_s * 1000.0, "turn": turn_index}
@@ -404,8 +446,8 @@ class Gate(GateBase):
         session finishes)."""
         check_session_id(session_id)
         try:
-            v = self.redis.hget(self.key("preempted"), session_id)
-        except REDIS_ERRORS:
+            v = self._plain(lambda: self.redis.hget(self.key("preempted"), session_id))
+        except RedisDown:
             return 0
         return int(v or 0)
 
@@ -430,18 +472,21 @@ class Gate(GateBase):
         if self.config.engine_urls:
             return list(self.config.engine_urls)
         try:
-            return engine_urls_from(self.config, self.redis.hget(self.key("snapshot"), "engines"))
-        except REDIS_ERRORS:
+            raw = self._plain(lambda: self.redis.hget(self.key("snapshot"), "engines"))
+        except RedisDown:
             return []
+        return engine_urls_from(self.config, raw)
 
     def record_close(self, attempts: int, failures: int) -> None:
-        try:
+        def send() -> Any:
             p = self.redis.pipeline(transaction=False)
             for k in ("stats", "totals"):
                 p.hincrby(self.key(k), "close", attempts)
                 p.hincrby(self.key(k), "close_failure", failures)
-            p.execute()
-        except REDIS_ERRORS:
+            return p.execute()
+        try:
+            self._plain(send)
+        except RedisDown:
             with self._local_lock:
                 self._local["close"] += attempts
                 self._local["close_failure"] += failures
