@@ -145,3 +145,18 @@ def test_fetch_limited_size_cap(srv):
             assert await fetch_limited(c, srv.url + "/ok", timeout_s=5) == b"fine"
 
     run(go())
+
+
+def test_one_engine_written_two_ways_is_one_engine():
+    from kvgate._urls import normalize_base_url
+    from kvgate.discovery import dedupe_urls
+    assert dedupe_urls(["http://E1:8000", "http://e1:8000/", "http://e1:8000@2"]) == ["http://e1:8000"]
+    assert normalize_base_url("https://Host.Example:443/V1/") == "https://host.example:443/V1"  # path keeps its case
+
+
+@pytest.mark.parametrize("bad", ["http://e1\n:8000", "http://e 1:8000", "http://user:secret@e1:8000",
+                                 "http://10.0.0.5:8000@x"])
+def test_credentials_and_control_characters_are_no_engine_url(bad):
+    from kvgate._urls import normalize_base_url
+    with pytest.raises(ValueError):
+        normalize_base_url(bad)

@@ -416,7 +416,8 @@ def test_one_engine_with_an_unusable_url_does_not_discard_the_others(engines):
     # httpx.InvalidURL (port out of range) is not an httpx.HTTPError: it used to escape the
     # worker and fail the whole probe, dropping the good engine's answer
     good = engines(6)
-    with HttpProbe([good.url, "http://127.0.0.1:99999"], timeout_s=2.0) as probe:
+    # a dynamic source (a static list is checked when the probe is made, below)
+    with HttpProbe(lambda: [good.url, "http://127.0.0.1:99999"], timeout_s=2.0) as probe:
         res = probe.probe("s", PROMPT)
 
         async def go():
@@ -493,3 +494,113 @@ def test_in_process_usage_on_the_engines_own_loop_fails_fast():
         return await probe.ausage()
 
     assert asyncio.run(go())["engine"] == "dp0"
+
+
+@pytest.mark.parametrize("bad", ["http://127.0.0.1:99999", "http://10.0.0.5:8000@x", "http://h:8000#x",
+                                 "http://h:8000/?a=1", "http://", "ftp://h:1", "http://u:secret@h:8000"])
+def test_a_static_url_that_is_no_engine_base_url_is_an_error_at_once(bad):
+    # a fragment or query used to become part of the request URL (the POST went to "/"), and
+    # "h:8000@x" sent the probe to host "x" with "h:8000" as Basic auth
+    with pytest.raises(ValueError):
+        HttpProbe([bad])
+
+
+def test_a_router_dp_suffix_is_dropped_from_the_probed_url():
+    assert HttpProbe(["http://10.0.0.5:8000@3"])._urls == ["http://10.0.0.5:8000"]
+
+
+def _serve(handler_cls):
+    import http.server
+    import threading
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler_cls)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def test_an_endless_answer_is_cut_at_the_cap_and_the_deadline():
+    # httpx's timeouts are per chunk: an engine streaming forever kept a probe thread reading
+    # (and its memory growing) long after the probe answered "timeout"
+    import http.server
+    import threading
+    stop = threading.Event()
+    sent = []
+
+    class Endless(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            try:
+                while not stop.is_set():
+                    chunk = b"[" + b"1," * 4000
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    sent.append(len(chunk))
+            except OSError:
+                pass
+
+        def log_message(self, *a):
+            pass
+
+    srv = _serve(Endless)
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        with HttpProbe([url], timeout_s=2.0) as probe:
+            res = probe.probe("s", PROMPT)
+            assert res.hit_ratio is None and "answer too large" in res.detail
+            n_sync = len(sent)
+
+            async def go():
+                return await probe.aprobe("s", PROMPT)
+            ares = asyncio.run(go())
+            assert ares.hit_ratio is None and "answer too large" in ares.detail
+        # the reader stopped at the cap: the server could not push much past 64 KiB (the
+        # socket buffers hold some), where before it streamed until the test ended
+        assert sum(sent[:n_sync]) < 64 * 1024 * 64
+    finally:
+        stop.set()
+        srv.shutdown()
+
+
+def test_a_compressed_answer_is_refused_unread():
+    import gzip
+    import http.server
+
+    bomb = gzip.compress(b" " * (50 * 1024 * 1024))
+
+    class Gzip(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(bomb)))
+            self.end_headers()
+            self.wfile.write(bomb)
+
+        def log_message(self, *a):
+            pass
+
+    srv = _serve(Gzip)
+    try:
+        with HttpProbe([f"http://127.0.0.1:{srv.server_address[1]}"], timeout_s=2.0) as probe:
+            res = probe.probe("s", PROMPT)
+        assert res.hit_ratio is None and "compressed answer (gzip)" in res.detail
+    finally:
+        srv.shutdown()
+
+
+def test_the_probe_ignores_proxy_settings(engines, monkeypatch):
+    # every other engine client of kvgate asks engines directly; an HTTP_PROXY meant for the
+    # internet broke the probe (and would have received the prompt ids)
+    good = engines(6)
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    with HttpProbe([good.url], timeout_s=2.0) as probe:
+        assert probe.probe("s", PROMPT).cached_blocks == 6

@@ -27,13 +27,16 @@ import httpx
 
 from kvgate._http import ENGINE_KEEPALIVE_EXPIRY_S, async_client, sync_client
 from kvgate._json import dumps as _dumps
+from kvgate._json import loads as _loads
+from kvgate._urls import normalize_base_url
 from kvgate.integrations._common import (
     ProbeResult, best_of, check_prompt_ids, check_session_id, check_timeout, parse_probe_payload, to_result,
     unavailable,
 )
 
 PROBE_PATH = "/kvgate/probe"
-_JSON = {"Content-Type": "application/json"}
+# identity: a compressed answer could expand past the size cap inside one chunk (a gzip bomb)
+_JSON = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
 MAX_RESPONSE_BYTES = 64 * 1024
 # idle connections expire before the engine's server drops them (a probe sent on a closing one
 # fails, and the gate then decides without residency)
@@ -44,9 +47,37 @@ UrlSource = Sequence[str] | Callable[[], Sequence[str]]
 
 
 def _check_url(u: Any) -> str:
-    if not isinstance(u, str) or not u.startswith(("http://", "https://")):
+    """The one engine-URL check of kvgate (kvgate._urls): a router's ``@dp`` suffix is
+    dropped, and a query, fragment, userinfo or missing host is an error, not a request to
+    some other host or path."""
+    if not isinstance(u, str):
         raise ValueError(f"engine base URL must be an http(s) URL string, got {u!r}")
-    return u.rstrip("/")
+    return normalize_base_url(u)
+
+
+class _Answer(Exception):
+    """An engine's answer that is not a probe answer (status, size, encoding, too slow)."""
+
+
+def _start(resp: httpx.Response) -> None:
+    if resp.status_code != 200:
+        raise _Answer(f"HTTP {resp.status_code}")
+    enc = resp.headers.get("content-encoding", "identity").strip().lower()
+    if enc not in ("", "identity"):
+        raise _Answer(f"compressed answer ({enc})")
+    declared = resp.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_RESPONSE_BYTES:
+        raise _Answer("answer too large")
+
+
+def _add(chunks: list[bytes], got: int, chunk: bytes, deadline: float) -> int:
+    got += len(chunk)
+    if got > MAX_RESPONSE_BYTES:
+        raise _Answer("answer too large")
+    if time.monotonic() > deadline:
+        raise httpx.ReadTimeout("the answer took longer than the probe's timeout")
+    chunks.append(chunk)
+    return got
 
 
 class HttpProbe:
@@ -113,9 +144,11 @@ class HttpProbe:
 
     @staticmethod
     def _urls_of(picked: Any) -> list[str]:
+        """A dynamic source's URLs, checked one by one when asked (_ask_*): a bad one fails
+        that engine only, not the answers of the others."""
         if isinstance(picked, str):
             picked = [picked]
-        return [_check_url(u) for u in (picked or [])]
+        return [u if isinstance(u, str) else repr(u) for u in (picked or [])]
 
     def _body(self, session_id: str, ids: list[int]) -> bytes:
         """The request body, encoded once for every engine asked (orjson when installed:
@@ -127,13 +160,9 @@ class HttpProbe:
 
     # ------------------------------------------------------------------ answers
     @staticmethod
-    def _decode(url: str, resp: httpx.Response, n: int) -> dict:
-        if resp.status_code != 200:
-            raise ValueError(f"HTTP {resp.status_code}")
-        if len(resp.content) > MAX_RESPONSE_BYTES:
-            raise ValueError("answer too large")
+    def _decode(url: str, raw: bytes, n: int) -> dict:
         try:
-            payload = resp.json()
+            payload = _loads(raw)
         except ValueError as e:
             raise ValueError(f"not JSON ({e.__class__.__name__})") from None
         answer = parse_probe_payload(payload, total_tokens=n)
@@ -157,16 +186,28 @@ class HttpProbe:
     def _sync_client(self) -> httpx.Client:
         with self._lock:
             if self._client is None:
+                # trust_env=False: engines are asked directly, as by every other engine client
+                # of kvgate (an HTTP_PROXY meant for the internet would get the prompt ids)
                 self._client = sync_client(timeout=httpx.Timeout(self.timeout_s), headers=self.headers,
-                                            limits=PROBE_LIMITS)
+                                            limits=PROBE_LIMITS, trust_env=False)
             return self._client
 
     def _ask_sync(self, client: httpx.Client, url: str, body: bytes, n: int) -> dict | str:
+        # streamed, capped at MAX_RESPONSE_BYTES and at timeout_s in all: httpx's timeouts are
+        # per chunk, and an endless body kept a pool thread reading (and growing) forever
+        deadline = time.monotonic() + self.timeout_s
         try:
-            return self._decode(url, client.post(url + self.path, content=body, headers=_JSON), n)
+            url = _check_url(url)
+            with client.stream("POST", url + self.path, content=body, headers=_JSON) as resp:
+                _start(resp)
+                chunks: list[bytes] = []
+                got = 0
+                for chunk in resp.iter_raw():
+                    got = _add(chunks, got, chunk, deadline)
+            return self._decode(url, b"".join(chunks), n)
         except httpx.TimeoutException:
             return "timeout"
-        except ValueError as e:
+        except (_Answer, ValueError) as e:
             return str(e)
         except Exception as e:  # noqa: BLE001 - httpx.InvalidURL, a client closed meanwhile: this engine only
             return f"{e.__class__.__name__}: {e}"
@@ -203,16 +244,24 @@ class HttpProbe:
                 if other.is_closed():  # a finished asyncio.run(): its client cannot be used any more
                     del self._aclients[key]
             entry = (loop, async_client(timeout=httpx.Timeout(self.timeout_s), headers=self.headers,
-                                             limits=PROBE_LIMITS))
+                                             limits=PROBE_LIMITS, trust_env=False))
             self._aclients[id(loop)] = entry
         return entry[1]
 
     async def _ask_async(self, client: httpx.AsyncClient, url: str, body: bytes, n: int) -> dict | str:
+        deadline = time.monotonic() + self.timeout_s  # aprobe's wait bounds it too; see _ask_sync
         try:
-            return self._decode(url, await client.post(url + self.path, content=body, headers=_JSON), n)
+            url = _check_url(url)
+            async with client.stream("POST", url + self.path, content=body, headers=_JSON) as resp:
+                _start(resp)
+                chunks: list[bytes] = []
+                got = 0
+                async for chunk in resp.aiter_raw():
+                    got = _add(chunks, got, chunk, deadline)
+            return self._decode(url, b"".join(chunks), n)
         except httpx.TimeoutException:
             return "timeout"
-        except ValueError as e:
+        except (_Answer, ValueError) as e:
             return str(e)
         except Exception as e:  # noqa: BLE001 - httpx.InvalidURL, a client closed meanwhile: this engine only
             return f"{e.__class__.__name__}: {e}"
