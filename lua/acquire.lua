@@ -37,6 +37,9 @@ if num(P.gap, -1) >= 0 then note_gap(P.gap) end
 local inherited = nil
 
 local function out(o, r, extra)
+  -- something this call reaped or ended gave room back (SPEC 4: every purge wakes waiters):
+  -- grant the heads that fit now, whatever this attempt's own answer
+  if FREED then advance(num(P.reap, 8), nil) end
   if inherited ~= nil and o ~= "probe" then
     local ow = jget(K.waiters, inherited)
     if ow and ow.q then
@@ -190,8 +193,9 @@ local cost_wait = cost_wait_ms(snap, need)
 if cost_wait then max_wait = math.min(max_wait, cost_wait) end
 -- (aging from the attempt's start, not the enqueue: else the caller, whose deadline counts
 -- from its first call, re-checks in a tight loop until the script agrees)
-local since = w and waiter_since(w) or NOW
-if P.age == 1 or (w and NOW - since >= max_wait) or (not w and max_wait <= 0) then
+-- a new attempt back from its probe round trip (t0) ages from when it began, too
+local since = w and waiter_since(w) or num(P.t0, NOW)
+if P.age == 1 or NOW - since >= max_wait then
   if P.adm == 1 and P.res == 1 and P.retain == 1 then
     -- aged, both features on: the turn enters with a lease and a window instead of running
     -- uncounted, and idle windows that have waited longest on their tools give way to it
@@ -205,7 +209,7 @@ if P.age == 1 or (w and NOW - since >= max_wait) or (not w and max_wait <= 0) th
     advance(num(P.reap, 8), snap)  -- the waiters behind it move up now, not at their next poll
   end
   stat("bypass"); stat("bypass_aged")
-  return out("bypass", "aged", { w = w and (NOW - since) or 0 })
+  return out("bypass", "aged", { w = NOW - since })
 end
 if band and probe == -1 and (P.adm ~= 1 or reserved() + eff <= snap.ceiling) then
   -- rules 1-6 did not decide and a probe could: ask the caller to probe, then call again

@@ -94,8 +94,13 @@ local function reserved()
 end
 
 -- change the ledger; it never goes below zero (a clamp is counted, it signals a bug)
+-- set when this call gave tokens back to the ledger (a reap, a window ended): the FIFO head
+-- may fit now, and acquire.lua's out() runs the bounded advance before it answers
+local FREED = false
+
 local function charge(delta)
   if delta == 0 then return end
+  if delta < 0 then FREED = true end
   local r = reserved() + delta
   if r < 0 then
     stat("ledger_clamped")

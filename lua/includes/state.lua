@@ -138,6 +138,16 @@ end
 local function live_window(session)
   local win = jget(K.windows, session)
   if not win then return nil end
+  if win.ep ~= epoch() and win.h > 0 then
+    -- of an old engine set but held by a running turn: ending it now would take that turn's
+    -- charge off the ledger while it runs. It ends when its holder releases it (rv), and
+    -- this session's other turns meanwhile are charged on their own (grant's branch case)
+    if win.rv ~= 1 then
+      win.rv = 1
+      jset(K.windows, session, win)
+    end
+    return nil
+  end
   if win.ep ~= epoch() or (win.h == 0 and win.x <= NOW) then
     end_window(session, win)
     stat(win.ep ~= epoch() and "window_epoch_dropped" or "window_expired")
@@ -299,6 +309,7 @@ end
 -- grant FIFO heads that fit, oldest first, at most `limit`; stops at the first that does
 -- not fit (strict FIFO). Publishes "g <ticket>" for each grant.
 local function advance(limit, snap)
+  FREED = false
   local granted = 0
   snap = snap or snapshot()
   if not snap.fresh then return 0 end
