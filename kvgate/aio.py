@@ -190,11 +190,11 @@ class AsyncGate(GateBase):
         t.add_done_callback(self._givebacks.discard)
         return await asyncio.shield(t)
 
-    async def _plain(self, make: Any) -> Any:
+    async def _plain(self, make: Any, breaker: bool = True) -> Any:
         """A plain Redis command outside the scripts (finish_session's engine URLs and close
-        counters, num_preempted): skipped while the breaker is open, bounded by the call
-        deadline, a fault trips the breaker. Raises RedisDown."""
-        if self._breaker_open():
+        counters, num_preempted): skipped while the breaker is open (unless ``breaker`` is
+        False), bounded by the call deadline, a fault trips the breaker. Raises RedisDown."""
+        if breaker and self._breaker_open():
             raise BreakerOpen("breaker open after a recent Redis fault")
         self._bind_loop()
         try:
@@ -409,7 +409,10 @@ class AsyncGate(GateBase):
 
     async def _close(self, session_id: str) -> dict:
         from .lifecycle import aclose_session
-        urls, bad = closable_urls(await self.engine_urls())
+        found = await self._engine_urls()
+        urls, bad = closable_urls(found or [])
+        if found is None:
+            bad += 1  # the engine list could not be read: a close that reached no engine, counted
         res = await aclose_session(urls, session_id, timeout_s=self.config.close_timeout_s)
         attempts, failures = res.attempts + bad, res.failures + bad
         await self.record_close(attempts, failures)
@@ -442,12 +445,16 @@ class AsyncGate(GateBase):
         return int(self._decode(raw)["epoch"])
 
     async def engine_urls(self) -> list[str]:
+        return (await self._engine_urls()) or []
+
+    async def _engine_urls(self) -> list[str] | None:
+        """See ``Gate._engine_urls``; bounded by the call deadline."""
         if self.config.engine_urls:
             return list(self.config.engine_urls)
         try:
-            raw = await self._plain(lambda: self.redis.hget(self.key("snapshot"), "engines"))
+            raw = await self._plain(lambda: self.redis.hget(self.key("snapshot"), "engines"), breaker=False)
         except RedisDown:
-            return []
+            return None
         return engine_urls_from(self.config, raw)
 
     async def record_close(self, attempts: int, failures: int) -> None:

@@ -234,11 +234,11 @@ class Gate(GateBase):
                 self._calls_cv.notify_all()
         return self._decode(raw)
 
-    def _plain(self, fn: Any) -> Any:
+    def _plain(self, fn: Any, breaker: bool = True) -> Any:
         """A plain Redis command outside the scripts (finish_session's engine URLs and close
-        counters, num_preempted): skipped while the breaker is open, a fault trips it.
-        Raises RedisDown."""
-        if self._breaker_open():
+        counters, num_preempted): skipped while the breaker is open (unless ``breaker`` is
+        False), a fault trips it. Raises RedisDown."""
+        if breaker and self._breaker_open():
             raise BreakerOpen("breaker open after a recent Redis fault")
         try:
             return fn()
@@ -435,7 +435,10 @@ class Gate(GateBase):
 
     def _close(self, session_id: str) -> dict:
         from .lifecycle import close_session
-        urls, bad = closable_urls(self.engine_urls())
+        found = self._engine_urls()
+        urls, bad = closable_urls(found or [])
+        if found is None:
+            bad += 1  # the engine list could not be read: a close that reached no engine, counted
         res = close_session(urls, session_id, timeout_s=self.config.close_timeout_s)
         attempts, failures = res.attempts + bad, res.failures + bad
         self.record_close(attempts, failures)
@@ -469,12 +472,18 @@ class Gate(GateBase):
         return int(self._decode(self._scripts["bump_epoch"](keys=self._keys, args=self._args({})))["epoch"])
 
     def engine_urls(self) -> list[str]:
+        return self._engine_urls() or []
+
+    def _engine_urls(self) -> list[str] | None:
+        """The close targets, or None when Redis could not be read. Asked even while the
+        breaker is open (bounded by the client's timeout): a session's close must not go to
+        no engine because another call failed a moment ago."""
         if self.config.engine_urls:
             return list(self.config.engine_urls)
         try:
-            raw = self._plain(lambda: self.redis.hget(self.key("snapshot"), "engines"))
+            raw = self._plain(lambda: self.redis.hget(self.key("snapshot"), "engines"), breaker=False)
         except RedisDown:
-            return []
+            return None
         return engine_urls_from(self.config, raw)
 
     def record_close(self, attempts: int, failures: int) -> None:

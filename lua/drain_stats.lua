@@ -22,8 +22,20 @@ local v = redis.call("HMGET", K.snapshot, "ts_ms", "capacity", "usage", "hit_rat
 local gap = tool_gap_s() or -1
 local age = -1
 if v[1] then age = NOW - tonumber(v[1]) end
+-- the most preempted attempts of one live session: over every session up to 1,024 of them,
+-- else over a random sample of 1,024 (sessions nobody finishes stay in the hash: the work of
+-- a metrics read must stay bounded)
+local pn = redis.call("HLEN", K.preempted)
+local pvals
+if pn <= 1024 then
+  pvals = redis.call("HVALS", K.preempted)
+else
+  pvals = {}
+  local flat = redis.call("HRANDFIELD", K.preempted, 1024, "WITHVALUES")
+  for i = 2, #flat, 2 do pvals[#pvals + 1] = flat[i] end
+end
 local pmax = 0
-for _, n in ipairs(redis.call("HVALS", K.preempted)) do
+for _, n in ipairs(pvals) do
   local x = tonumber(n) or 0
   if x > pmax then pmax = x end
 end
@@ -33,5 +45,5 @@ return cjson.encode({
   windows = redis.call("HLEN", K.windows), capacity = num(v[2], 0), usage = num(v[3], 0),
   hit_rate = num(v[4], -1), snapshot_age_ms = age, n_healthy = num(v[5], 0), now = NOW,
   prefill_s_per_token = num(v[6], -1), prefill_load = num(v[7], -1), tool_gap_s = gap,
-  preempted_sessions = redis.call("HLEN", K.preempted), preempted_max = pmax,
+  preempted_sessions = pn, preempted_max = pmax,
 })

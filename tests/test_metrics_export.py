@@ -86,3 +86,14 @@ def test_close_counters_reach_a_reader_without_the_lifecycle(backend):
     assert (m["agentic_kv/session/close"], m["agentic_kv/session/close_failure"]) == (1, 1)
     assert m["agentic_kv/session/lifecycle_enabled"] == 0
     assert "agentic_kv/session/close" not in driver.step_metrics()  # drained, nothing new
+
+
+def test_the_preemption_figures_stay_bounded_with_many_unfinished_sessions(backend):
+    # sessions nobody finishes stay in the hash; a metrics read samples past 1,024 of them
+    clock = Clock()
+    g = mkgate(backend, clock)
+    g.write_snapshot(engines(usage=0.1))
+    g.redis.hset(g.key("preempted"), mapping={f"s{i}": 3 for i in range(1500)})
+    m = g.step_metrics(drain=False)
+    assert m["agentic_kv/admission/preempted_sessions"] == 1500
+    assert m["agentic_kv/admission/preempted_max_per_session"] == 3

@@ -207,9 +207,10 @@ class GateMachine(RuleBasedStateMachine):
         if ow["st"] == "w" and old in pre.fifo:
             return pre.fifo[old]
         if ow["st"] == "p" and ow.get("q") is not None:
-            by = self.preempted_by.get(old)
-            if by == t or by in self.probing:
-                return ow["q"]
+            # the place a preempted record still holds (its successor is probing, or gave up
+            # while probing: cancelled or dead) goes to the session's newest attempt; any
+            # decision of the successor consumes it (acquire.lua out())
+            return ow["q"]
         return None
 
     def check_fifo_order(self, pre: GateState, post: GateState, new: list[str], acq: dict | None) -> None:
@@ -380,7 +381,11 @@ class GateMachine(RuleBasedStateMachine):
         else:
             assert o in ("bypass", "preempted"), out
             assert ticket not in self.state.fifo and ticket not in self.state.leases
-            assert ticket not in self.state.waiters
+            rec = self.state.waiters.get(ticket)
+            # a preempted record may stay while it holds its FIFO place (q) for the session's
+            # newer attempt, which may be away probing (acquire.lua); it is out of the FIFO
+            assert rec is None or (o == "preempted" and rec["st"] == "p" and rec.get("q") is not None), \
+                (out, rec)
         return out
 
     @rule(session=st.sampled_from(SESSIONS), need=st.integers(1, 1500), retain=st.booleans(),
@@ -617,3 +622,35 @@ def test_late_claim_of_a_grant_is_not_a_second_admission(redis_url):
         lambda: m.advance_time(ms=claim_ms),       # the waiter comes back right at its claim deadline
         lambda: m.recheck_waiting(data=Pick()),    # must claim its grant, not be admitted anew
     ])
+
+
+class _Pick:
+    def __init__(self, ticket):
+        self.ticket = ticket
+
+    def draw(self, _):
+        return self.ticket
+
+
+@pytest.mark.parametrize("then", ["recheck_preempted", "cancel_the_prober_then_retry"])
+def test_a_place_held_for_a_probing_retry(redis_url, then):
+    # found by the machine above (2026-12-02): t001 preempts the waiting t000 and goes to
+    # probe; t000's record keeps the place (q) for it. t000's own re-check is answered
+    # "preempted" while the record stays; if t001 gives up while probing, the session's next
+    # attempt takes the place the record still holds
+    GateMachine.URL = redis_url
+    m = GateMachine()
+    m.in_hypothesis = False
+    m.setup(features=(True, True), grace=0.0, has_probe=True, usage=0.86, cap=1000, growth=1.0, overcommit=1.0)
+
+    def acq(probe):
+        return lambda: m.acquire_new(need=1, probe=probe, protected=False, retain=False, session="s0")
+
+    steps = [acq(0.0), acq(None)]
+    if then == "recheck_preempted":
+        steps += [lambda: m.poll_cycle(data=_Pick("t000"), ms=200)]
+    else:
+        steps += [lambda: m.cancel(aged=False, data=_Pick("t001")), acq(0.0)]
+    _run_steps(m, steps)
+    if then == "cancel_the_prober_then_retry":
+        assert m.state.fifo.get("t002") == 1.0  # the session's place, not the back

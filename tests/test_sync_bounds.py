@@ -101,8 +101,10 @@ def test_plain_commands_respect_the_breaker():
     assert g.num_preempted("s") == 0
     assert g._breaker_open()  # the fault tripped the breaker
     n = len(calls)
-    assert g.num_preempted("s") == 0 and g.engine_urls() == []
+    assert g.num_preempted("s") == 0
     assert len(calls) == n  # skipped while the breaker is open: no more time on a dead Redis
+    # the close targets are read past the breaker (a session's close must reach its engines)
+    assert g.engine_urls() == [] and len(calls) == n + 1
     g.redis.hget = real_hget
     g.close()
 
@@ -129,3 +131,37 @@ def test_a_child_of_fork_gets_its_own_probe_threads():
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     g.close()
+
+
+def test_a_close_is_sent_while_the_breaker_is_open():
+    # the engine list is read past the breaker: one failed call a moment ago must not send a
+    # session's /close_session to no engine (and count nothing)
+    g = kvgate.Gate(fakeredis.FakeRedis(), gate="cb", config=cfg(session_lifecycle=True, close_timeout_s=2.0))
+    g.write_snapshot([kvgate.EngineState("http://127.0.0.1:9", capacity_tokens=1000, usage=0.1, healthy=True,
+                                         url="http://127.0.0.1:9")])  # nothing listens there
+    g._trip()
+    out = g.finish_session("s")
+    assert out["close"] == {"attempts": 1, "failures": 1}
+
+
+def test_an_engine_list_that_cannot_be_read_is_a_counted_failure():
+    g = kvgate.Gate(fakeredis.FakeRedis(), gate="cf", config=cfg(session_lifecycle=True, close_timeout_s=2.0))
+
+    def down(*a, **kw):
+        raise redis.ConnectionError("Redis went away")
+    g.redis.hget = down
+    out = g.finish_session("s")
+    assert out["close"]["failures"] == 1 and out["close"]["attempts"] == 1
+
+
+def test_the_async_close_is_sent_while_the_breaker_is_open():
+    async def main():
+        g = kvgate.AsyncGate(fakeredis.FakeAsyncRedis(), gate="acb",
+                             config=cfg(session_lifecycle=True, close_timeout_s=2.0))
+        await g.write_snapshot([kvgate.EngineState("http://127.0.0.1:9", capacity_tokens=1000, usage=0.1,
+                                                   healthy=True, url="http://127.0.0.1:9")])
+        g._trip()
+        out = await g.finish_session("s")
+        await g.aclose()
+        return out
+    assert asyncio.run(main())["close"] == {"attempts": 1, "failures": 1}
