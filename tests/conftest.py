@@ -217,3 +217,24 @@ def redis_cluster():
     finally:
         for n in nodes:
             n.stop(signal.SIGKILL)
+
+
+# -- gate backends: one fixture for the scripts' tests ------------------------------------
+@pytest.fixture(params=["fake", "real"])
+def backend(request):
+    """A factory of clients of one Redis: fakeredis (the fast layer), or the session's real
+    redis-server (every script also runs there)."""
+    from _gatehelpers import make_client
+    if request.param == "real":
+        url = request.getfixturevalue("redis_url")
+        return lambda: make_client("real", url)
+    import fakeredis
+    server = make_client("fake", None).connection_pool.connection_kwargs["server"]
+    return lambda: fakeredis.FakeRedis(server=server)
+
+
+@pytest.fixture
+def clock():
+    """An injected script clock (ms) that a test advances by hand."""
+    from _gatehelpers import Clock
+    return Clock()

@@ -12,25 +12,9 @@ import pytest
 import kvgate
 from kvgate.probe import FakeProbe
 
-from _gatehelpers import Clock, engines, make_client, script
+from _gatehelpers import engines, script
 
 FAST = dict(wait_poll_s=0.2, max_wait_s=2.0, staleness_s=6.0)
-
-
-@pytest.fixture(params=["fake", "real"])
-def backend(request):
-    if request.param == "real":
-        url = request.getfixturevalue("redis_url")
-        return lambda: make_client("real", url)
-    server_client = make_client("fake", None)
-    pool_kwargs = server_client.connection_pool.connection_kwargs
-    import fakeredis
-    return lambda: fakeredis.FakeRedis(server=pool_kwargs["server"])
-
-
-@pytest.fixture
-def clock():
-    return Clock()
 
 
 def mkgate(backend, clock=None, probe=None, **cfg):

@@ -10,17 +10,7 @@ import pytest
 
 import kvgate
 
-from _gatehelpers import Clock, engines, make_client, script
-
-
-@pytest.fixture(params=["fake", "real"])
-def backend(request):
-    if request.param == "real":
-        url = request.getfixturevalue("redis_url")
-        return lambda: make_client("real", url)
-    server_client = make_client("fake", None)
-    import fakeredis
-    return lambda: fakeredis.FakeRedis(server=server_client.connection_pool.connection_kwargs["server"])
+from _gatehelpers import Clock, engines, script
 
 
 def mkgate(backend, clock, **cfg):

@@ -9,19 +9,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 import kvgate
 from kvgate.metrics import GateCollector
 
-from _gatehelpers import Clock, engines, make_client, script
+from _gatehelpers import Clock, engines, script
 
 FAST = dict(wait_poll_s=0.2, max_wait_s=2.0, staleness_s=6.0)
-
-
-@pytest.fixture(params=["fake", "real"])
-def backend(request):
-    if request.param == "real":
-        url = request.getfixturevalue("redis_url")
-        return lambda: make_client("real", url)
-    server_client = make_client("fake", None)
-    import fakeredis
-    return lambda: fakeredis.FakeRedis(server=server_client.connection_pool.connection_kwargs["server"])
 
 
 def mkgate(backend, clock, **cfg):

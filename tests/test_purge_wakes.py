@@ -17,7 +17,7 @@ import pytest
 import kvgate
 from kvgate.poller import Poller
 
-from _gatehelpers import Clock, engines, make_client, script
+from _gatehelpers import engines, script
 from test_poller_support import FakeHTTP, sglang_metrics, text
 
 GRACE_S = 30.0
@@ -26,22 +26,6 @@ WAKE_BOUND_S = 20.0    # far below one poll: a waiter back within it was woken b
 CAP = 1000             # headroom 1.0: ceiling 1000 tokens
 OWNER = 900            # the idle window's charge: no room for WAITER behind it
 WAITER = 200
-
-
-@pytest.fixture(params=["fake", "real"])
-def backend(request):
-    if request.param == "real":
-        url = request.getfixturevalue("redis_url")
-        return lambda: make_client("real", url)
-    server_client = make_client("fake", None)
-    pool_kwargs = server_client.connection_pool.connection_kwargs
-    import fakeredis
-    return lambda: fakeredis.FakeRedis(server=pool_kwargs["server"])
-
-
-@pytest.fixture
-def clock():
-    return Clock()
 
 
 def _config() -> kvgate.GateConfig:
