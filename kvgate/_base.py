@@ -80,6 +80,18 @@ class GateBase:
         self._last_end: OrderedDict[str, float] = OrderedDict()  # session -> monotonic end of its last turn
         self._sources = {n: script_source(n) for n in SCRIPT_NAMES}
 
+    def _deadline_s(self) -> float:
+        """The bound on one Redis call (connect + reply, and some slack): the async gate's
+        deadline on each call, the sync close()'s wait for calls on the wire."""
+        return self.config.redis_timeout_s * 2 + 0.5
+
+    @staticmethod
+    def _close_targets(found: list[str] | None) -> tuple[list[str], int]:
+        """The URLs a session's close goes to, and how many closes already failed: bad URLs,
+        and one for an engine list that could not be read (a close that reached no engine)."""
+        urls, bad = closable_urls(found or [])
+        return urls, bad + (1 if found is None else 0)
+
     # -- probes -------------------------------------------------------------------------
     def _submit_probe(self, fn: Callable, session_id: str,
                       prompt_ids: Any) -> "concurrent.futures.Future | ProbeResult":

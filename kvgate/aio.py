@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Sequence
 import redis.asyncio as aioredis
 
 from . import _base
-from ._base import GateBase, LeaseBase, closable_urls, engine_urls_from
+from ._base import GateBase, LeaseBase, engine_urls_from
 from ._flow import BreakerOpen, Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow, check_session_id
 from .config import GateConfig
 from .errors import KvgateError
@@ -163,10 +163,6 @@ class AsyncGate(GateBase):
         with contextlib.suppress(Exception):
             for _ in range(self._close_flushes()):
                 await self._flush_deferred()
-
-    def _deadline_s(self) -> float:
-        """The bound on one Redis call (connect + reply, and some slack)."""
-        return self.config.redis_timeout_s * 2 + 0.5
 
     def _bind_loop(self) -> None:
         """A gate used from a second event loop (two ``asyncio.run`` calls, a gate at module
@@ -409,10 +405,7 @@ class AsyncGate(GateBase):
 
     async def _close(self, session_id: str) -> dict:
         from .lifecycle import aclose_session
-        found = await self._engine_urls()
-        urls, bad = closable_urls(found or [])
-        if found is None:
-            bad += 1  # the engine list could not be read: a close that reached no engine, counted
+        urls, bad = self._close_targets(await self._engine_urls())
         res = await aclose_session(urls, session_id, timeout_s=self.config.close_timeout_s)
         attempts, failures = res.attempts + bad, res.failures + bad
         await self.record_close(attempts, failures)

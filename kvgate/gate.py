@@ -12,7 +12,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ._base import PROBE_THREADS  # noqa: F401 - also kvgate.gate's name for it
-from ._base import REDIS_ERRORS, GateBase, LeaseBase, closable_urls, engine_urls_from
+from ._base import REDIS_ERRORS, GateBase, LeaseBase, engine_urls_from
 from ._flow import BreakerOpen, Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow, check_session_id
 from .config import GateConfig
 from .probe import UNAVAILABLE, ProbeResult, coerce
@@ -189,7 +189,7 @@ class Gate(GateBase):
         ``from_url`` built it (a client passed in is the caller's). Closing the client under
         another thread's release made it raise, and left its lease charged until lease_ttl_s."""
         with self._calls_cv:
-            self._calls_cv.wait_for(lambda: self._calls == 0, timeout=self.config.redis_timeout_s * 2 + 0.5)
+            self._calls_cv.wait_for(lambda: self._calls == 0, timeout=self._deadline_s())
         self._flush_at_close()
         self._listener.close()
         self._shutdown_probe_pool()
@@ -435,10 +435,7 @@ class Gate(GateBase):
 
     def _close(self, session_id: str) -> dict:
         from .lifecycle import close_session
-        found = self._engine_urls()
-        urls, bad = closable_urls(found or [])
-        if found is None:
-            bad += 1  # the engine list could not be read: a close that reached no engine, counted
+        urls, bad = self._close_targets(self._engine_urls())
         res = close_session(urls, session_id, timeout_s=self.config.close_timeout_s)
         attempts, failures = res.attempts + bad, res.failures + bad
         self.record_close(attempts, failures)

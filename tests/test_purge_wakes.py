@@ -10,6 +10,8 @@ redis-server (tests/conftest.py).
 """
 from __future__ import annotations
 
+import contextlib
+
 import threading
 
 import pytest
@@ -130,7 +132,10 @@ def _assert_granted_after_purge(g, w: _Waiter, ticket: str) -> None:
     assert _ledger(g) == 0
 
 
-def test_housekeep_purges_an_expired_window_and_wakes_the_waiter(backend, clock):
+@contextlib.contextmanager
+def _grace_over(backend, clock):
+    """An idle window past its grace, not purged yet, and a waiter parked behind it: (gate,
+    the waiter's gate, its ticket)."""
     g = _gate(backend, clock)
     g.write_snapshot(engines(cap=CAP, usage=0.1))
     w, ticket = _idle_window_and_parked_waiter(g, backend, clock)
@@ -141,22 +146,21 @@ def test_housekeep_purges_an_expired_window_and_wakes_the_waiter(backend, clock)
         g.write_snapshot(engines(cap=CAP, usage=0.1))
         assert g.redis.hexists(g.key("windows"), "owner") and g.redis.zcard(g.key("fifo")) == 1
         assert _stat(g, "window_expired") == 0
-        hk = g.housekeep()
-        assert (hk["windows"], hk["granted"]) == (1, 1), hk
-        _assert_granted_after_purge(g, w, ticket)
+        yield g, w, ticket
     finally:
         w.close()
         g.close()
 
 
+def test_housekeep_purges_an_expired_window_and_wakes_the_waiter(backend, clock):
+    with _grace_over(backend, clock) as (g, w, ticket):
+        hk = g.housekeep()
+        assert (hk["windows"], hk["granted"]) == (1, 1), hk
+        _assert_granted_after_purge(g, w, ticket)
+
+
 def test_the_next_callers_lazy_purge_wakes_the_waiter(backend, clock):
-    g = _gate(backend, clock)
-    g.write_snapshot(engines(cap=CAP, usage=0.1))
-    w, ticket = _idle_window_and_parked_waiter(g, backend, clock)
-    try:
-        clock.advance(GRACE_S + 1)
-        g.write_snapshot(engines(cap=CAP, usage=0.1))
-        assert g.redis.hexists(g.key("windows"), "owner")
+    with _grace_over(backend, clock) as (g, w, ticket):
         # no housekeeping: another session's turn is the next to look, and its script purges
         # the expired window; the FIFO head (the waiter) goes first, then this small turn fits
         r = script(g, "acquire", ticket="t-next", session="next", need=50, probe=-2, retain=0)
@@ -164,9 +168,6 @@ def test_the_next_callers_lazy_purge_wakes_the_waiter(backend, clock):
         assert g.redis.hget(g.key("leases"), ticket) is not None  # granted by that call
         script(g, "release", ticket="t-next")
         _assert_granted_after_purge(g, w, ticket)
-    finally:
-        w.close()
-        g.close()
 
 
 @pytest.fixture

@@ -55,6 +55,22 @@ def _check_url(u: Any) -> str:
     return normalize_base_url(u)
 
 
+class _BadUrl(str):
+    """A dynamic source's URL that failed _check_url: asking it answers ``why`` at once."""
+
+    def __new__(cls, raw: str, why: str) -> "_BadUrl":
+        s = super().__new__(cls, raw)
+        s.why = why
+        return s
+
+
+def _checked(u: Any) -> str:
+    try:
+        return _check_url(u)
+    except ValueError as e:
+        return _BadUrl(u if isinstance(u, str) else repr(u), str(e))
+
+
 class _Answer(Exception):
     """An engine's answer that is not a probe answer (status, size, encoding, too slow)."""
 
@@ -144,11 +160,11 @@ class HttpProbe:
 
     @staticmethod
     def _urls_of(picked: Any) -> list[str]:
-        """A dynamic source's URLs, checked one by one when asked (_ask_*): a bad one fails
-        that engine only, not the answers of the others."""
+        """A dynamic source's URLs, each checked once here: a bad one fails that engine only
+        (asking it answers why), not the answers of the others."""
         if isinstance(picked, str):
             picked = [picked]
-        return [u if isinstance(u, str) else repr(u) for u in (picked or [])]
+        return [_checked(u) for u in (picked or [])]
 
     def _body(self, session_id: str, ids: list[int]) -> bytes:
         """The request body, encoded once for every engine asked (orjson when installed:
@@ -196,8 +212,9 @@ class HttpProbe:
         # streamed, capped at MAX_RESPONSE_BYTES and at timeout_s in all: httpx's timeouts are
         # per chunk, and an endless body kept a pool thread reading (and growing) forever
         deadline = time.monotonic() + self.timeout_s
+        if isinstance(url, _BadUrl):
+            return url.why
         try:
-            url = _check_url(url)
             with client.stream("POST", url + self.path, content=body, headers=_JSON) as resp:
                 _start(resp)
                 chunks: list[bytes] = []
@@ -250,8 +267,9 @@ class HttpProbe:
 
     async def _ask_async(self, client: httpx.AsyncClient, url: str, body: bytes, n: int) -> dict | str:
         deadline = time.monotonic() + self.timeout_s  # aprobe's wait bounds it too; see _ask_sync
+        if isinstance(url, _BadUrl):
+            return url.why
         try:
-            url = _check_url(url)
             async with client.stream("POST", url + self.path, content=body, headers=_JSON) as resp:
                 _start(resp)
                 chunks: list[bytes] = []
