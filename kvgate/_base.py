@@ -4,6 +4,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import os
 import threading
 import time
@@ -47,6 +48,12 @@ GIVE_BACK = ("release", "cancel")
 #: threads that run a blocking probe; a probe still running past its timeout keeps its thread
 PROBE_THREADS = 4
 
+#: a gate logs a session close that went to no engine at most once per this many seconds
+#: (it is counted every time, in ``close_failure``)
+CLOSE_WARN_EVERY_S = 60.0
+
+log = logging.getLogger("kvgate")
+
 
 class GateBase:
     def __init__(self, gate: str, config: GateConfig | None, probe: Any,
@@ -79,18 +86,37 @@ class GateBase:
         self._turns = Counter()          # per-session turn counter when the caller gives no index
         self._last_end: OrderedDict[str, float] = OrderedDict()  # session -> monotonic end of its last turn
         self._sources = {n: script_source(n) for n in SCRIPT_NAMES}
+        self._close_warned_at: float | None = None  # monotonic time of the last "closed nowhere" log
+        self._close_unlogged = 0  # closes that went nowhere since that log
 
     def _deadline_s(self) -> float:
         """The bound on one Redis call (connect + reply, and some slack): the async gate's
         deadline on each call, the sync close()'s wait for calls on the wire."""
         return self.config.redis_timeout_s * 2 + 0.5
 
-    @staticmethod
-    def _close_targets(found: list[str] | None) -> tuple[list[str], int]:
+    def _close_targets(self, found: list[str] | None, session_id: str) -> tuple[list[str], int]:
         """The URLs a session's close goes to, and how many closes already failed: bad URLs,
-        and one for an engine list that could not be read (a close that reached no engine)."""
+        and one for a close that can reach no engine (the engine list could not be read, or
+        there is none: no snapshot yet, no URL in it, no ``engine_urls``), which is logged at
+        warning level, at most once per ``CLOSE_WARN_EVERY_S`` per gate."""
         urls, bad = closable_urls(found or [])
-        return urls, bad + (1 if found is None else 0)
+        if not urls and not bad:
+            why = ("the engine list could not be read from Redis" if found is None else
+                   "no engine URL is known (no snapshot with engine URLs, and no engine_urls knob)")
+            self._closed_nowhere(session_id, why)
+            bad = 1
+        return urls, bad
+
+    def _closed_nowhere(self, session_id: str, why: str) -> None:
+        now = time.monotonic()
+        with self._local_lock:
+            self._close_unlogged += 1
+            if self._close_warned_at is not None and now - self._close_warned_at < CLOSE_WARN_EVERY_S:
+                return
+            self._close_warned_at, n = now, self._close_unlogged
+            self._close_unlogged = 0
+        log.warning("gate %s: the close of session %r reached no engine (counted as a failed close): "
+                    "%s; %d such close(s) since the last warning", self.name, session_id, why, n)
 
     # -- probes -------------------------------------------------------------------------
     def _submit_probe(self, fn: Callable, session_id: str,
@@ -266,7 +292,7 @@ class GateBase:
         def txt(v: Any) -> Any:
             return v.decode() if isinstance(v, bytes) else v
         cap = int(raw.get("capacity", 0) or 0)
-        ceiling = int(cap * self.config.headroom)
+        ceiling = int(cap * self.config.effective("headroom"))  # never an unchecked one
         reserved = int(raw.get("reserved", 0) or 0)
         age_ms = float(raw.get("snapshot_age_ms", -1))
         age = age_ms / 1000.0 if age_ms >= 0 else None

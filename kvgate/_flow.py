@@ -126,26 +126,30 @@ def build_request(cfg: GateConfig, session_id: Any, *, prompt_ids: Sequence[int]
                                   or not math.isfinite(timeout_s) or timeout_s < 0):
         raise ValueError(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
     decode = max_new_tokens
-    if cfg.expected_decode_cap is not None:
-        decode = min(decode, cfg.expected_decode_cap)
+    cap = cfg.effective("expected_decode_cap")  # never an unchecked cap (admission off)
+    if cap is not None:
+        decode = min(decode, cap)
     return TurnRequest(session_id=session_id, ticket=ticket or new_ticket(), need=n_prompt + decode,
                        prompt_tokens=n_prompt, prompt_ids=prompt_ids, protected=bool(protected),
                        retain=bool(retain_session), scope=scope, turn_index=turn_index, timeout_s=timeout_s)
 
 
 def knob_params(cfg: GateConfig, channel: str) -> dict:
-    """The knobs every script reads (see lua/includes/state.lua)."""
+    """The knobs every script reads (see lua/includes/state.lua). A feature's knobs are the
+    values the gate uses (``GateConfig.effective``): never an unchecked one of a feature that
+    is off, which the scripts may still read (the ceiling's headroom) or JSON cannot carry."""
     wait_ms = int(cfg.wait_poll_s * 1000)
+    eff = cfg.effective
     return {
         "adm": 1 if cfg.admission else 0, "res": 1 if cfg.residency else 0,
-        "hw": cfg.high_watermark, "pt": cfg.pressure_threshold, "hit": cfg.hit_threshold,
-        "headroom": cfg.headroom, "stale_ms": int(cfg.staleness_s * 1000),
+        "hw": eff("high_watermark"), "pt": eff("pressure_threshold"), "hit": eff("hit_threshold"),
+        "headroom": eff("headroom"), "stale_ms": int(cfg.staleness_s * 1000),
         "ttl_ms": int(cfg.lease_ttl_s * 1000), "grace_ms": int(cfg.idle_grace_s * 1000),
         # a waiter re-checks at least every wait_poll_s: two missed polls mean it is gone
         "alive_ms": 2 * wait_ms + 1000, "claim_ms": 2 * wait_ms + 1000,
         "max_wait_ms": int(cfg.max_wait_s * 1000), "wcr": cfg.wait_cost_ratio, "wcl": cfg.wait_cost_load,
         "wcg": cfg.wait_cost_gap, "wcp": cfg.wait_cost_pool,
-        "gr": cfg.growth_reserve, "oc": cfg.overcommit, "reap": cfg.reap_batch, "ch": channel,
+        "gr": eff("growth_reserve"), "oc": eff("overcommit"), "reap": cfg.reap_batch, "ch": channel,
     }
 
 

@@ -405,7 +405,7 @@ class AsyncGate(GateBase):
 
     async def _close(self, session_id: str) -> dict:
         from .lifecycle import aclose_session
-        urls, bad = self._close_targets(await self._engine_urls())
+        urls, bad = self._close_targets(await self._engine_urls(), session_id)
         res = await aclose_session(urls, session_id, timeout_s=self.config.close_timeout_s)
         attempts, failures = res.attempts + bad, res.failures + bad
         await self.record_close(attempts, failures)

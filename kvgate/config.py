@@ -22,8 +22,12 @@ class GateConfig:
     """The gate's knobs. Defaults come from the two seed documents.
 
     Numeric knobs are validated only when the feature they belong to is on
-    (``admission``, ``residency``), as in seed 003; the wait, lease and snapshot knobs
-    apply to every gated turn and are always validated.
+    (``admission``, ``residency``), as in seed 003 and SPEC section 6; the wait, lease and
+    snapshot knobs apply to every gated turn and are always validated. A knob of a feature
+    that is off keeps the value it was given, but the gate never uses a value that would
+    fail the check (NaN, a negative decode cap, ...): ``effective(name)`` is what the gate
+    uses, the knob's default in that case (some of these knobs still matter with their
+    feature off: the ceiling in metrics and wait costs, the decode cap in window charges).
     """
 
     admission: bool = True
@@ -76,21 +80,39 @@ class GateConfig:
             if not ok:
                 raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
 
-        if self.admission:
-            in_range("headroom", 0.0, 1.0, True)
-            in_range("pressure_threshold", 0.0, 1.0, True)
+        def check_decode_cap() -> None:
             cap = self.expected_decode_cap
             if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
                 raise ValueError(f"expected_decode_cap must be a positive int or None, got {cap!r}")
             if cap is not None and cap > 2**31 - 1:
                 raise ValueError(f"expected_decode_cap must be at most {2**31 - 1}, got {cap}")
-            for name in ("growth_reserve", "overcommit"):
-                g = number(name)
-                if g < 1.0 or math.isinf(g):
-                    raise ValueError(f"{name} must be >= 1 and finite, got {g}")
+
+        def at_least_one(name: str) -> None:
+            g = number(name)
+            if g < 1.0 or math.isinf(g):
+                raise ValueError(f"{name} must be >= 1 and finite, got {g}")
+
+        checks = {
+            "headroom": lambda: in_range("headroom", 0.0, 1.0, True),
+            "pressure_threshold": lambda: in_range("pressure_threshold", 0.0, 1.0, True),
+            "expected_decode_cap": check_decode_cap,
+            "growth_reserve": lambda: at_least_one("growth_reserve"),
+            "overcommit": lambda: at_least_one("overcommit"),
+            "high_watermark": lambda: in_range("high_watermark", 0.0, 1.0, True),
+            "hit_threshold": lambda: in_range("hit_threshold", 0.0, 1.0, False),
+        }
+        used: dict[str, Any] = {}
+        for name, feature in FEATURE_KNOBS.items():
+            try:
+                checks[name]()
+                used[name] = getattr(self, name)
+            except ValueError:
+                if getattr(self, feature):
+                    raise
+                # SPEC 6: not validated while its feature is off, and so never used as given
+                used[name] = _FIELD_DEFAULTS[name]
+        object.__setattr__(self, "_effective", used)
         if self.residency:
-            in_range("high_watermark", 0.0, 1.0, True)
-            in_range("hit_threshold", 0.0, 1.0, False)
             if self.admission and number("high_watermark") > number("pressure_threshold"):
                 raise ValueError(
                     f"high_watermark ({self.high_watermark}) must be <= pressure_threshold "
@@ -113,6 +135,16 @@ class GateConfig:
             raise ValueError(f"engine_urls must be a tuple of base URLs, got {self.engine_urls!r}")
         for u in self.engine_urls:
             normalize_base_url(u)  # ValueError naming the URL: the close fan-out would refuse it later
+
+    def effective(self, name: str) -> Any:
+        """The value the gate uses for knob ``name``: the knob itself, except for a knob of a
+        feature that is off whose value would not pass validation (SPEC 6 does not check it
+        then), which is replaced by its default."""
+        used = self.__dict__.get("_effective")
+        if used is None:
+            self.validate()
+            used = self.__dict__["_effective"]
+        return used[name] if name in used else getattr(self, name)
 
     @property
     def gating(self) -> bool:
@@ -143,6 +175,16 @@ class GateConfig:
         d["engine_urls"] = list(self.engine_urls)
         return d
 
+
+#: the knobs validated only while their feature is on (SPEC section 6), and that feature
+FEATURE_KNOBS: dict[str, str] = {
+    "headroom": "admission", "pressure_threshold": "admission", "expected_decode_cap": "admission",
+    "growth_reserve": "admission", "overcommit": "admission",
+    "high_watermark": "residency", "hit_threshold": "residency",
+}
+
+_FIELD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(GateConfig)
+                                   if f.default is not dataclasses.MISSING}
 
 KNOB_TYPES: dict[str, type] = {
     "admission": bool, "residency": bool, "session_lifecycle": bool, "headroom": float,

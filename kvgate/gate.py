@@ -435,7 +435,7 @@ class Gate(GateBase):
 
     def _close(self, session_id: str) -> dict:
         from .lifecycle import close_session
-        urls, bad = self._close_targets(self._engine_urls())
+        urls, bad = self._close_targets(self._engine_urls(), session_id)
         res = close_session(urls, session_id, timeout_s=self.config.close_timeout_s)
         attempts, failures = res.attempts + bad, res.failures + bad
         self.record_close(attempts, failures)

@@ -54,7 +54,9 @@ def build_step_metrics(raw: dict | None, config: Any, local: dict) -> dict[str, 
     m[P + "admission/wait_seconds_mean"] = (_f(st, "wait_ms_sum") / 1000.0 / granted) if granted else 0.0
     if raw is not None:
         cap = float(raw.get("capacity", 0) or 0)
-        ceiling = float(int(cap * config.headroom))
+        # the headroom the gate uses: with admission off an unchecked one is never used
+        headroom = config.effective("headroom") if hasattr(config, "effective") else config.headroom
+        ceiling = float(int(cap * headroom))
         reserved = float(raw.get("reserved", 0) or 0)
         age = float(raw.get("snapshot_age_ms", -1))
         fresh = 0 <= age <= config.staleness_s * 1000 and float(raw.get("n_healthy", 0)) > 0

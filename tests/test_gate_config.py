@@ -118,3 +118,90 @@ def test_env_errors_name_the_variable(var, raw):
 def test_the_longest_times_are_still_accepted():
     c = GateConfig(lease_ttl_s=1e9, idle_grace_s=1e9, max_wait_s=1e9)
     assert (c.lease_ttl_s, c.idle_grace_s, c.max_wait_s) == (1e9, 1e9, 1e9)
+
+
+# -- knobs of a feature that is off: not validated (SPEC 6), so never used as given --------
+# An out-of-range value of a feature that is off is kept in the config as given (the test
+# above), and the gate uses the knob's default instead: the ceiling in step metrics and
+# status, the reservation of a turn, the knobs the scripts read.
+OFF_KNOBS = [
+    ("headroom", math.nan, "admission"), ("headroom", math.inf, "admission"), ("headroom", -3.0, "admission"),
+    ("pressure_threshold", math.nan, "admission"), ("growth_reserve", math.nan, "admission"),
+    ("overcommit", -math.inf, "admission"), ("high_watermark", math.nan, "residency"),
+    ("hit_threshold", math.inf, "residency"),
+]
+
+
+@pytest.mark.parametrize("knob, value, feature", OFF_KNOBS)
+def test_an_unchecked_knob_of_a_feature_that_is_off_is_not_used(knob, value, feature):
+    from kvgate._flow import knob_params
+    c = GateConfig(**{knob: value, feature: False})
+    assert c.effective(knob) == getattr(GateConfig(), knob)  # the default, not the raw value
+    sent = knob_params(c, "ch")
+    short = {"headroom": "headroom", "pressure_threshold": "pt", "growth_reserve": "gr", "overcommit": "oc",
+             "high_watermark": "hw", "hit_threshold": "hit"}[knob]
+    assert sent[short] == getattr(GateConfig(), knob)
+    # a value that passes the check is used even with its feature off
+    ok = GateConfig(**{knob: 1.0, feature: False})
+    assert ok.effective(knob) == 1.0 and knob_params(ok, "ch")[short] == 1.0
+
+
+def _sync_and_async_gates(cfg):
+    import fakeredis
+
+    import kvgate
+    server = fakeredis.FakeServer()
+    return (kvgate.Gate(fakeredis.FakeRedis(server=server), gate="g", config=cfg),
+            kvgate.AsyncGate(fakeredis.FakeAsyncRedis(server=server), gate="g", config=cfg))
+
+
+@pytest.mark.parametrize("headroom", [math.nan, math.inf, -math.inf, 7.0])
+def test_admission_off_with_a_bad_headroom_keeps_metrics_and_status_working(headroom):
+    import asyncio
+
+    import kvgate
+    cfg = GateConfig(admission=False, headroom=headroom)
+    g, ag = _sync_and_async_gates(cfg)
+    g.write_snapshot([kvgate.EngineState("e1", capacity_tokens=10_000, usage=0.1, url="http://127.0.0.1:9")])
+    with g.turn("s", prompt_tokens=100, max_new_tokens=10):
+        m = g.step_metrics(drain=False)
+        st = g.status()
+    assert m["agentic_kv/budget/ceiling"] == 9000.0 and st["ceiling"] == 9000  # the default headroom
+    assert math.isfinite(m["agentic_kv/budget/reserved_utilization"])
+
+    async def run():
+        try:
+            async with ag.turn("s2", prompt_tokens=100, max_new_tokens=10):
+                return await ag.step_metrics(), await ag.status()
+        finally:
+            await ag.aclose()
+    am, ast = asyncio.run(run())
+    assert am["agentic_kv/budget/ceiling"] == 9000.0 and ast["ceiling"] == 9000
+    g.close()
+
+
+@pytest.mark.parametrize("cap", [-1000, 0, True, 2**40])
+def test_admission_off_with_a_bad_decode_cap_never_charges_less_than_the_prompt(cap):
+    import asyncio
+
+    import kvgate
+    from kvgate._flow import build_request
+    cfg = GateConfig(admission=False, expected_decode_cap=cap)
+    assert build_request(cfg, "s", prompt_tokens=100, max_new_tokens=50).need == 150  # no cap, as by default
+    g, ag = _sync_and_async_gates(cfg)
+    g.write_snapshot([kvgate.EngineState("e1", capacity_tokens=10_000, usage=0.1, url="http://127.0.0.1:9")])
+    with g.turn("s", prompt_tokens=100, max_new_tokens=50) as lease:
+        assert lease.tokens == 150
+    assert int(g.redis.hget(g.key("ledger"), "reserved") or 0) >= 0
+
+    async def run():
+        try:
+            async with ag.turn("s2", prompt_tokens=100, max_new_tokens=50) as lease:
+                return lease.tokens
+        finally:
+            await ag.aclose()
+    assert asyncio.run(run()) == 150
+    # a valid cap still applies with admission off (the windows' charge)
+    assert build_request(GateConfig(admission=False, expected_decode_cap=8), "s", prompt_tokens=100,
+                         max_new_tokens=50).need == 108
+    g.close()

@@ -188,3 +188,44 @@ def test_finish_session_frees_kv_on_live_engines_and_counts_the_dead_one(redis_u
         assert m["agentic_kv/session/close"] == 3 and m["agentic_kv/session/close_failure"] == 1
         # closing again is harmless (idempotent on the engines)
         assert gate.finish_session(sid)["close"] == {"attempts": 3, "failures": 1}
+
+
+# -- a close that goes nowhere is a failed close --------------------------------------------
+def _nowhere_gates(snapshot: str):
+    """A sync and an async gate (one fake Redis) with lifecycle on, no static engine_urls, and
+    either no snapshot or one whose engines carry no URL."""
+    import fakeredis
+
+    import kvgate
+    cfg = kvgate.GateConfig(session_lifecycle=True, close_timeout_s=0.5)
+    server = fakeredis.FakeServer()
+    g = kvgate.Gate(fakeredis.FakeRedis(server=server), gate="g", config=cfg)
+    ag = kvgate.AsyncGate(fakeredis.FakeAsyncRedis(server=server), gate="g", config=cfg)
+    if snapshot == "no-urls":
+        g.write_snapshot([kvgate.EngineState("e1", capacity_tokens=10_000, usage=0.1)])
+    return g, ag
+
+
+@pytest.mark.parametrize("snapshot", ["none", "no-urls"])
+def test_a_close_with_no_engine_to_go_to_counts_as_one_failure(snapshot, caplog):
+    import logging
+    g, ag = _nowhere_gates(snapshot)
+    with caplog.at_level(logging.WARNING, logger="kvgate"):
+        out = g.finish_session("s1")
+        assert out["close"] == {"attempts": 1, "failures": 1}
+        again = g.finish_session("s2")  # counted again, not logged again (rate-limited)
+        assert again["close"] == {"attempts": 1, "failures": 1}
+
+        async def run():
+            try:
+                return await ag.finish_session("s3")
+            finally:
+                await ag.aclose()
+        assert asyncio.run(run())["close"] == {"attempts": 1, "failures": 1}
+    m = g.step_metrics()
+    assert m["agentic_kv/session/close"] == 3 and m["agentic_kv/session/close_failure"] == 3
+    warned = [r for r in caplog.records if r.name.startswith("kvgate") and r.levelno == logging.WARNING
+              and "close" in r.getMessage()]
+    assert len(warned) == 2, [r.getMessage() for r in warned]  # once per gate object
+    assert "engine" in warned[0].getMessage()
+    g.close()
