@@ -281,15 +281,16 @@ def test_a_policy_with_its_own_knobs_runs_beside_the_default(tmp_path, redis_url
     assert by["kvgate"]["gate"]["config"]["max_wait_s"] > 0
 
 
-def test_default_cap_sweep_is_one_and_two_times_the_sessions_that_fit():
+def test_default_cap_sweep_is_one_one_and_a_half_and_two_times_the_sessions_that_fit():
     from kvgate.bench.cli import SCENARIOS, build_parser, build_workload, default_caps
 
     args = build_parser().parse_args([])
     wl = build_workload(args, SCENARIOS["default"])
     fit = int(131072 / (wl.working_set_tokens() / len(wl.sessions)))
-    assert default_caps(wl, 131072) == [fit, 2 * fit] == [12, 24]
+    assert default_caps(wl, 131072) == [fit, (3 * fit + 1) // 2, 2 * fit] == [12, 18, 24]
     assert default_caps(wl, 10**9) == [len(wl.sessions)]  # everything fits: one cap, all sessions
-    assert default_caps(wl, None) == [10, 20]  # no pool known: a quarter and a half of the sessions
+    # no pool known: a quarter of the sessions stands in for fit
+    assert default_caps(wl, None) == [10, 15, 20]
 
 
 def test_checks_name_each_gate_policy_on_the_console(tmp_path, redis_url, capsys):
@@ -373,8 +374,11 @@ def test_workload_vocab_follows_the_scenario_and_the_profile():
         bench_cli.workload_vocab(parse(["--vocab", "1"]), SCENARIOS["default"])
 
 
-def test_failed_turns_fail_the_checks_and_the_exit_code(tmp_path, redis_url, capsys):
-    # ids outside the simulator's 1,000-token vocabulary: every turn is refused with a 400
+def test_failed_turns_fail_the_checks_and_the_exit_code(tmp_path, redis_url, capsys, monkeypatch):
+    # ids outside the simulator's 1,000-token vocabulary: every turn is refused with a 400.
+    # The bench now refuses such a --vocab before running (test_bench_inputs); the pre-run
+    # check is skipped here so that turns failing at run time are still seen to fail the run.
+    monkeypatch.setattr(bench_cli, "check_sim_fits", lambda *a, **k: None)
     out = tmp_path / "out"
     rc = bench_cli.main(["--scenario", "cpu-tiny", "--sessions", "2", "--turns", "2", "--vocab", "5000",
                          "--policies", "none,kvgate", "--redis", redis_url, "--out", str(out),

@@ -271,3 +271,188 @@ def test_the_step_ends_with_its_last_session_and_the_report_says_how_it_spent_it
             "engine 0.75 s, tools and the rest 3.75 s; admitted admit/open 3") in out
     assert "step ended by s0-0 (none) at 2.30 s: first turn ready at 0.00 s" in out
     assert "admitted" not in out.split("step ended by s0-0 (none)")[1].split("step ended by")[0]  # ungated
+
+
+# --- review fixes: checks against what ran, preemption columns, block-rounded re-prefill, hit-rate source
+
+
+def test_a_check_whose_reference_did_not_run_is_reported_as_not_made():
+    gate = _result(Policy("kvgate", "gate", admission=True, residency=True), 5.0, 95, 100, reasons=("open",))
+    no_cap = summarize([_result(Policy("none", "none"), 10.0, 20, 100), gate], _workload())
+    got = {name: (ok, detail) for name, ok, detail in checks(no_cap, "pressure")}
+    assert got["kvgate wall-clock <= 0.6x no gate"][0] is True
+    assert got["kvgate prefix-cache hit rate >= 0.9"][0] is True
+    ok, detail = got["kvgate beats the best fixed cap"]
+    assert ok is None and "not made" in detail and "no fixed-cap policy" in detail
+    (heavy,) = checks(no_cap, "cpu-heavy")
+    assert heavy[0] == "kvgate within 10% of the best fixed cap" and heavy[1] is None and "not made" in heavy[2]
+    no_none = summarize([_result(Policy("cap-4", "cap", cap=4), 6.0, 80, 100), gate], _workload())
+    got = {name: (ok, detail) for name, ok, detail in checks(no_none, "pressure")}
+    assert got["kvgate wall-clock <= 0.6x no gate"][0] is None
+    assert "no-gate policy ('none')" in got["kvgate wall-clock <= 0.6x no gate"][1]
+    assert got["kvgate beats the best fixed cap (cap-4)"][0] is True
+    assert got["kvgate prefix-cache hit rate >= 0.9"][0] is True  # needs no reference: still made
+    for kind in ("no-pressure", "cpu-tiny"):
+        assert [ok for _, ok, _ in checks(no_none, kind)] == [None]
+    no_gate = summarize([_result(Policy("none", "none"), 10.0, 20, 100),
+                         _result(Policy("cap-4", "cap", cap=4), 6.0, 80, 100)], _workload())
+    ((name, ok, detail),) = checks(no_gate, "pressure")
+    assert name.startswith("kvgate") and ok is None and "no full-gate policy" in detail
+
+
+def test_scenario_changes_name_the_flags_that_changed_the_workload_or_engine():
+    from kvgate.bench.cli import SCENARIOS, build_parser, build_workload, default_caps
+    from kvgate.bench.report import scenario_changes
+
+    def changes(argv, caps_run=None):
+        args = build_parser().parse_args(argv)
+        sc = SCENARIOS[args.scenario]
+        wl = build_workload(args, sc)
+        dflt = default_caps(wl, 131072)
+        ts = args.time_scale if args.time_scale is not None else sc.time_scale
+        return scenario_changes(args, sc, time_scale=ts, caps_run=dflt if caps_run is None else caps_run,
+                                default_caps=dflt)
+
+    assert changes([]) == []
+    assert changes(["--sessions", "40", "--turns", "16-32", "--time-scale", "0.02", "--seed", "3"]) == []
+    assert changes(["--scenario", "no-pressure", "--sessions", "40"]) == ["--sessions 40"]
+    sweep = default_caps(build_workload(build_parser().parse_args([]), SCENARIOS["default"]), 131072)
+    assert changes(["--caps", "40"], caps_run=[40]) == [f"caps 40 (the scenario's sweep: {','.join(map(str, sweep))})"]
+    assert changes([], caps_run=sweep[:1]) == [f"caps {sweep[0]} (the scenario's sweep: {','.join(map(str, sweep))})"]
+    assert changes([], caps_run=[]) == []  # no cap ran: that check is not made, not modified
+    got = changes(["--output", "8", "--tool-slow-median", "3", "--kv-capacity", "4096", "--profile",
+                   "cpu-vllm-tiny", "--time-scale", "0.5", "--sim-prefill-metrics"])
+    assert got == ["--output 8", "--tool-slow-median 3.0", "--profile cpu-vllm-tiny", "--kv-capacity 4096",
+                   "--sim-prefill-metrics", "--time-scale 0.5"]
+    # real engines: the simulator's flags do not apply, and their time scale defaults to 1
+    assert changes(["--scenario", "cpu-tiny", "--engine", "http://x", "--kv-capacity", "4096"]) == []
+
+
+def test_the_console_says_which_checks_were_not_made_and_that_the_scenario_was_modified(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = bench_cli_main(["--sessions", "2", "--turns", "2", "--first-prompt", "100", "--tool-result", "10",
+                         "--output", "4", "--time-scale", "0.01", "--policies", "none,kvgate",
+                         "--embedded-redis", "fakeredis", "--out", str(out), "--no-progress", "--no-plots"])
+    assert rc == 0  # a check that was not made does not change the exit code
+    text = " ".join(capsys.readouterr().out.split())
+    assert "NOT MADE kvgate beats the best fixed cap: not made: no fixed-cap policy ran" in text
+    assert "PASS kvgate beats" not in text and "FAIL kvgate beats" not in text
+    assert "modified scenario" in text and "--sessions 2" in text
+    data = json.loads((out / "bench.json").read_text())
+    assert data["scenario_modified_by"][:2] == ["--sessions 2", "--turns 2"]
+    by = {c["check"]: c for c in data["checks"]}
+    assert by["kvgate beats the best fixed cap"]["passed"] is None
+    assert by["kvgate beats the best fixed cap"]["made"] is False
+    assert all(c["modified_scenario"] is True for c in data["checks"])
+    assert by["kvgate prefix-cache hit rate >= 0.9"]["made"] is True
+
+
+def bench_cli_main(argv):
+    from kvgate.bench import cli as bench_cli
+
+    return bench_cli.main(argv)
+
+
+def test_preempt_column_counts_preempted_attempts_and_engine_preemptions_have_their_own(capsys):
+    from kvgate.bench.report import render_table
+
+    r = _result(Policy("kvgate", "gate", admission=True, residency=True), 5.0, 95, 100, reasons=("open",))
+    r.step_metrics = {"agentic_kv/admission/preempted": 3.0, "agentic_kv/admission/preempted_sessions": 2.0,
+                      "agentic_kv/admission/preempted_max_per_session": 2.0}
+    r.counters = Counters(95, 100, preemptions=7.0)
+    s = summarize([r], _workload())
+    row = s["policies"][0]
+    assert row["gate_preemptions"] == 3.0  # not 3 + 2 + 2
+    assert row["engine_preemptions"] == 7.0
+    from rich.console import Console
+
+    render_table(s, Console(width=250))
+    out = capsys.readouterr().out
+    assert "eng. preempt" in out
+    cells = [c.strip() for c in next(ln for ln in out.splitlines() if "kvgate" in ln and "│" in ln).split("│")]
+    i = next(i for i, ln in enumerate(out.splitlines()) if "preempt" in ln)
+    header = [c.strip() for c in out.splitlines()[i].split("┃")]  # the header's rule is heavy
+    assert cells[header.index("preempt")] == "3" and cells[header.index("eng. preempt")] == "7"
+
+
+def _session_turns(block, prompts_outputs, sid="a"):
+    """Turn records of one session whose cache kept everything: each continuation turn is
+    served the whole blocks of the previous prompt + output[:-1] (at most input - 1 tokens)."""
+    turns, prev = [], None
+    for i, (prompt, out) in enumerate(prompts_outputs):
+        cached = 0
+        if prev is not None:
+            cached = min((prev[0] + prev[1] - 1) // block, (prompt - 1) // block) * block
+        turns.append(TurnRecord(session=sid, turn=i, ready_s=i, start_s=i, done_s=i + 0.1, prompt_tokens=prompt,
+                                cached_tokens=cached, output_tokens=out, outcome="admit", reason="open"))
+        prev = (prompt, out)
+    return turns
+
+
+def test_reprefill_does_not_count_the_partial_blocks_no_cache_could_serve():
+    wl = generate(WorkloadSpec(sessions=1, turns=IntRange(3, 3), first_prompt=IntRange(100, 100),
+                               tool_result=IntRange(20, 20), output=IntRange(10, 10)), seed=0)
+    sid = wl.sessions[0].session_id
+    turns = _session_turns(16, [(100, 10), (130, 10), (160, 10)], sid)
+    hits = sum(t.cached_tokens for t in turns)
+    res = PolicyResult(policy=Policy("kvgate", "gate", admission=True, residency=True), wall_s=1.0, turns=turns,
+                       counters=Counters(hits, 390), samples=[], usage_samples=[])
+    row = summarize([res], wl, block_size=16)["policies"][0]
+    assert row["uncached_tokens"] == 390 - 224
+    assert row["reprefill_tokens"] == 0  # perfect retention: nothing was lost to eviction
+    assert row["reprefill_tokens_beyond_fresh"] == 26  # the old figure: 166 uncached - 140 fresh
+    assert row["unavoidable_tokens"] == 166
+    assert row["reprefill_by_admission"] == {"admit/open": {"turns": 3, "reprefill_tokens": 0}}
+    # an evicted session: turn 2 found nothing cached, and all it could have reused is re-prefill
+    lost = [*turns[:2], TurnRecord(session=sid, turn=2, ready_s=2, start_s=2, done_s=2.1, prompt_tokens=160,
+                                   cached_tokens=0, output_tokens=10, outcome="admit", reason="aged")]
+    res.turns, res.counters = lost, Counters(96, 390)
+    row = summarize([res], wl, block_size=16)["policies"][0]
+    assert row["reprefill_tokens"] == 128
+    assert row["reprefill_by_admission"]["admit/aged"] == {"turns": 1, "reprefill_tokens": 128}
+    # block size unknown (an engine that does not say): the old figure, as before
+    assert summarize([res], wl)["policies"][0]["reprefill_tokens"] == 390 - 96 - 140
+
+
+def test_reprefill_knows_resets_and_missing_turns():
+    from kvgate.bench.report import _unavoidable_tokens
+
+    # turn 1 failed (no record): turn 2 could have reused turn 0's blocks at best; turn 3 is a reset
+    recs = [TurnRecord(session="a", turn=i, ready_s=i, start_s=i, done_s=i, prompt_tokens=p, cached_tokens=0,
+                       output_tokens=o) for i, p, o in ((0, 100, 10), (2, 200, 10), (3, 50, 10))]
+    assert _unavoidable_tokens(recs, 16, resets={("a", 3)}) == 100 + (200 - 96) + 50
+    # without the workload's reset marks a shrinking prompt is taken as a reset too
+    assert _unavoidable_tokens(recs, 16, resets=set()) == 100 + (200 - 96) + 50
+
+
+def test_one_session_on_a_pool_far_larger_than_it_re_prefills_nothing(tmp_path):
+    for argv in (["--first-prompt", "300", "--tool-result", "20-40", "--output", "8-16"],  # GPU profile: 16
+                 ["--scenario", "cpu-tiny"]):                                               # CPU profile: 32
+        out = tmp_path / "out"
+        rc = bench_cli_main([*argv, "--sessions", "1", "--turns", "6", "--time-scale", "0.01", "--policies",
+                             "none", "--out", str(out), "--no-progress", "--no-plots"])
+        assert rc == 0
+        data = json.loads((out / "bench.json").read_text())
+        (p,) = data["policies"]
+        assert p["hit_rate_source"] == "engine /metrics"
+        assert p["uncached_tokens"] > 0 and p["reprefill_tokens"] == 0, (argv, p["uncached_tokens"])
+        assert data["block_size"] in (16, 32)
+
+
+def test_the_footer_names_the_hit_rate_source_actually_used(capsys):
+    from kvgate.bench.report import render_table
+
+    counted = _result(Policy("none", "none"), 1.0, 20, 100)
+    blind = _result(Policy("kvgate", "gate", admission=True, residency=True), 1.0, 0, 0, reasons=("open",))
+    blind.counters = Counters(ok=False)
+    render_table(summarize([counted], _workload()))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "hit rate from the engines' own /metrics counters" in out
+    render_table(summarize([counted, blind], _workload()))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "hit rate from the engines' own /metrics counters" not in out
+    assert ("hit rate: none from the engines' own /metrics counters; kvgate from the responses' cached_tokens "
+            "(the engines' counters could not be read)") in out
+    render_table(summarize([blind], _workload()))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "hit rate from the responses' cached_tokens (the engines' counters could not be read)" in out

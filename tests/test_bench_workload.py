@@ -181,3 +181,59 @@ def test_a_session_id_spelled_as_number_and_string_is_an_error():
         parse_trace([_line(session=1, turn=0), _line(session="1", turn=1, input_tokens=200)])
     # one spelling throughout is fine, either way
     assert parse_trace([_line(session=1, turn=0), _line(session=1, turn=1, input_tokens=200)]).num_turns == 2
+
+
+# ---- bounds: numbers that would exhaust memory or wait forever are bad lines ----------------
+
+@pytest.mark.parametrize("bad,fragment", [
+    (_line(input_tokens=10 ** 12), "'input_tokens'"),
+    (_line(output_tokens=10 ** 12), "'output_tokens'"),
+    (_line(input_tokens=1_500_000, output_tokens=1_000_000), "input_tokens + output_tokens"),
+    (_line(gap_s=1e300), "'gap_s'"),
+    (_line(gap_s=86_400.5), "'gap_s'"),
+])
+def test_trace_numbers_past_their_bounds_name_the_line(tmp_path, bad, fragment):
+    p = tmp_path / "big.jsonl"
+    p.write_text("\n".join([_line(session="ok", turn=0), bad]) + "\n")
+    with pytest.raises(ValueError) as ei:
+        load_trace(p)
+    msg = str(ei.value)
+    assert "line 2" in msg and fragment in msg
+
+
+def test_trace_numbers_at_their_bounds_are_fine():
+    from kvgate.bench.workload import MAX_GAP_S, MAX_REQUEST_TOKENS
+
+    w = parse_trace([_line(input_tokens=MAX_REQUEST_TOKENS - 10, output_tokens=10, gap_s=MAX_GAP_S)])
+    assert w.sessions[0].turns[0].gap_s == MAX_GAP_S
+
+
+def test_largest_request_names_the_trace_line():
+    w = parse_trace([_line(turn=0, input_tokens=100, output_tokens=10),
+                     "# comment",
+                     _line(turn=1, input_tokens=400, output_tokens=50),
+                     _line(turn=2, input_tokens=50, output_tokens=5)])  # a reset: smaller
+    tokens, where = w.largest_request()
+    assert tokens == 450 and "line 3" in where
+
+
+def test_largest_request_of_a_generated_workload_is_its_biggest_final_context():
+    w = generate(WorkloadSpec(sessions=5, turns=IntRange(3, 6)), seed=4)
+    tokens, where = w.largest_request()
+    assert tokens == max(w.final_context_tokens(s) for s in w.sessions)
+    assert where.startswith("session s4-")
+
+
+@pytest.mark.parametrize("kw", [{"first_prompt": IntRange(1, 10 ** 12)}, {"output": IntRange(1, 10 ** 9)},
+                                {"tool_result": IntRange(0, 10 ** 9)}, {"sessions": 10 ** 7},
+                                {"turns": IntRange(1, 10 ** 7)}, {"arrival_spread_s": 1e300},
+                                {"arrival_spread_s": float("inf")}])
+def test_spec_bounds(kw):
+    with pytest.raises(ValueError):
+        WorkloadSpec(**kw)
+
+
+@pytest.mark.parametrize("kw", [{"max_s": 1e300}, {"max_s": float("inf")}])
+def test_tool_latency_is_bounded(kw):
+    with pytest.raises(ValueError):
+        ToolLatency(**kw)

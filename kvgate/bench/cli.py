@@ -9,13 +9,17 @@ import argparse
 import asyncio
 import contextlib
 import math
+import os
 import shutil
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
+from redis.exceptions import RedisError
 from rich.markup import escape
 
 from ..config import parse_value
@@ -24,7 +28,8 @@ from .host import describe as describe_host
 from .host import summary_line as host_line
 from .report import checks, combine_rounds, render_table, round_lag_warnings, summarize, write_json, write_plots
 from .runner import EngineEnv, Policy, parse_policies, run_policy, scaled_gate_config
-from .workload import VOCAB_DEFAULT, ToolLatency, Workload, WorkloadSpec, generate, load_trace, parse_range
+from .workload import (MAX_REQUEST_TOKENS, VOCAB_DEFAULT, ToolLatency, Workload, WorkloadSpec, generate, load_trace,
+                       parse_range)
 
 __all__ = ["add_arguments", "run", "main", "SCENARIOS", "STEP_KNOBS", "ENGINE_BOUND_STEP_KNOBS", "default_policies", "build_parser"]
 
@@ -138,7 +143,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     "vocabulary size for real engines)")
     sc.add_argument("--trace", help="replay a JSONL trace instead of generating sessions")
     sc.add_argument("--time-scale", type=float,
-                    help="multiply every duration (tool latency, engine cost, gate time knobs) by this")
+                    help="multiply every duration (tool latency, the simulator's engine cost, gate time "
+                         "knobs) by this, in (0, 100]; with --engine only the tool latency and the knobs "
+                         "scale: real engines run at their own speed (default: the scenario's; 1 with --engine)")
     sc.add_argument("--no-scale-knobs", action="store_true",
                     help="do not scale the gate's time knobs with --time-scale")
 
@@ -150,7 +157,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           f"scenarios also kvgate[{STEP_KNOBS}], on cpu-heavy kvgate[{ENGINE_BOUND_STEP_KNOBS}]: "
                           f"the knobs sized to their rollout step)")
     pol.add_argument("--caps", help="caps to sweep for 'cap', e.g. 4,8,16 (default: derived from the pool: "
-                                    "one and two times the sessions whose final context fits)")
+                                    "one, one and a half and two times the sessions whose final context fits)")
     pol.add_argument("--rounds", type=int, default=1,
                      help="run every policy this many times, interleaved (round 1 runs each policy once, "
                           "then round 2, ...), and report each policy's median; the checks read the "
@@ -177,7 +184,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--no-plots", action="store_true")
     out.add_argument("--no-progress", action="store_true")
     out.add_argument("--snapshot-interval", type=float, default=None,
-                     help="seconds between poller ticks (default: 1 s x --time-scale, at least 0.05 s)")
+                     help="seconds between poller ticks, at most 60 (default: 1 s x --time-scale, at least 0.05 s)")
+    out.add_argument("--step-timeout", type=float, default=None, metavar="SECONDS",
+                     help="stop a policy's step after this long, an error (default: derived from the "
+                          "workload: its gaps added up x --time-scale, plus 10 s per turn, plus 600 s)")
 
     add_knobs, _ = _knob_hooks()
     if add_knobs is not None:
@@ -266,8 +276,12 @@ class SimEnv(EngineEnv):
                  in_process: bool = False, prefill_metrics: bool = False) -> None:
         from kvgate.sim import load_profile
 
-        overrides = {"kv_capacity_tokens": kv_capacity} if kv_capacity else {}
-        self.profile = load_profile(profile, **overrides)
+        base = load_profile(profile)
+        if kv_capacity is not None and (isinstance(kv_capacity, bool) or not isinstance(kv_capacity, int)
+                                        or kv_capacity < base.block_size):
+            raise ValueError(f"--kv-capacity must hold at least one block of profile {base.name} "
+                             f"({base.block_size} tokens), got {kv_capacity!r}")
+        self.profile = load_profile(profile, kv_capacity_tokens=kv_capacity) if kv_capacity is not None else base
         self.engines = engines
         self.time_scale = time_scale
         self.in_process = in_process
@@ -282,6 +296,15 @@ class SimEnv(EngineEnv):
     @property
     def pool_tokens(self) -> int:
         return self.profile.kv_capacity_tokens * self.engines
+
+    def request_limit(self) -> tuple[int, str]:
+        """The most tokens (prompt + output) one request may hold on a simulated engine, and
+        why: its context length, or its KV pool less one block (kvgate.sim.engine.validate)."""
+        p = self.profile
+        pool = (p.kv_capacity_tokens // p.block_size) * p.block_size
+        if p.max_context <= pool - p.block_size:
+            return p.max_context, f"profile {p.name}'s context length"
+        return pool - p.block_size, f"profile {p.name}'s KV pool ({pool:,} tokens, less one block of {p.block_size})"
 
     @contextlib.asynccontextmanager
     async def fresh(self) -> AsyncIterator[EngineClient]:
@@ -316,6 +339,9 @@ class RealEnv(EngineEnv):
     def __init__(self, kind: str, urls: Sequence[str], router: str | None, model: str | None) -> None:
         self.kind, self.urls, self.router, self.model = kind, list(urls), router, model
         self.pool_tokens: int | None = None
+        self.engine_tokens: int | None = None  # the smallest engine's pool (/kvgate/usage)
+        self.max_model_len: int | None = None  # vLLM's /v1/models says it
+        self.block_size: int | None = None  # the engines' KV block, when /kvgate/usage gives one size
         self.reset_ok: list[bool] = []
 
     def describe(self) -> dict:
@@ -327,15 +353,73 @@ class RealEnv(EngineEnv):
         kw = {"model": self.model} if self.kind == "vllm" else {}
         return make_client(self.kind, gen, self.urls, **kw)
 
-    async def probe_pool(self) -> int | None:
+    async def probe_pool(self, timeout_s: float = 5.0) -> int | None:
+        """Check that every engine (and the router) answers ``GET /health`` with 2xx, read
+        vLLM's ``max_model_len`` from ``/v1/models`` and the pool from ``/kvgate/usage`` (an
+        engine without that route, as a real SGLang, leaves the pool unknown). ValueError
+        when an engine does not answer or answers as no engine would; every call is bounded
+        by ``timeout_s``."""
+        import httpx
+
         c = self._client()
         try:
+            async def health(u: str) -> str | None:
+                try:
+                    r = await c.http.get(u + "/health", timeout=timeout_s)
+                except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as e:
+                    return f"{u}: no answer to GET /health ({type(e).__name__}{': ' + str(e) if str(e) else ''})"
+                if not 200 <= r.status_code < 300:
+                    return f"{u}: GET /health answered HTTP {r.status_code} (is it the engine's base URL?)"
+                return None
+
+            targets = self.urls + ([self.router.rstrip("/")] if self.router else [])
+            problems = [p for p in await asyncio.gather(*(health(u.rstrip("/")) for u in targets)) if p]
+            if problems:
+                raise ValueError("--engine: " + "; ".join(problems))
+            if self.kind == "vllm":
+                await self._read_model(c, timeout_s)
             us = await c.usage()
         finally:
             await c.aclose()
         caps = [u["capacity_tokens"] for u in us if u["healthy"]]
         self.pool_tokens = sum(caps) if caps else None
+        self.engine_tokens = min(caps) if caps else None
+        blocks = {u.get("block_size") for u in us if u["healthy"]}
+        # re-prefill counts whole blocks only where every engine has the same, known block size
+        self.block_size = blocks.pop() if len(blocks) == 1 and None not in blocks else None
         return self.pool_tokens
+
+    async def _read_model(self, c: EngineClient, timeout_s: float) -> None:
+        """The served model (``--model``, else the first) and its ``max_model_len``."""
+        import httpx
+
+        u = c.generate_urls[0]
+        try:
+            r = await c.http.get(u + "/v1/models", timeout=timeout_s)
+            r.raise_for_status()
+            data = r.json()["data"]
+            ids = [m["id"] for m in data]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise ValueError(f"--engine: {u}: GET /v1/models gave no model list ({type(e).__name__}: {e}); "
+                             f"is it a vLLM server (--engine-kind)?") from None
+        if not ids:
+            raise ValueError(f"--engine: {u}: serves no model (GET /v1/models)")
+        if self.model is not None and self.model not in ids:
+            raise ValueError(f"--model {self.model}: not served by {u} (it serves {', '.join(map(str, ids))})")
+        entry = data[ids.index(self.model)] if self.model is not None else data[0]
+        mml = entry.get("max_model_len") if isinstance(entry, dict) else None
+        if isinstance(mml, int) and not isinstance(mml, bool) and mml > 0:
+            self.max_model_len = mml
+
+    def request_limit(self) -> tuple[int, str] | None:
+        """What the engines said bounds one request (vLLM's max_model_len, the smallest
+        engine's KV pool), or None where they said nothing."""
+        limits = []
+        if self.max_model_len is not None:
+            limits.append((self.max_model_len, "the engine's max_model_len (/v1/models)"))
+        if self.engine_tokens is not None:
+            limits.append((self.engine_tokens, "the smallest engine's KV pool (/kvgate/usage)"))
+        return min(limits) if limits else None
 
     @contextlib.asynccontextmanager
     async def fresh(self) -> AsyncIterator[EngineClient]:
@@ -367,18 +451,21 @@ async def _maybe_async(x: Any) -> Any:
 
 
 def default_caps(workload: Workload, pool_tokens: int | None) -> list[int]:
-    """One and two times the number of sessions whose final contexts fit in the pool.
+    """One, one and a half (rounded half up) and two times the number of sessions whose final
+    contexts fit in the pool ("fit"), clipped to [1, sessions] and deduplicated; where the
+    pool is unknown, a quarter of the sessions stands in for fit.
 
-    Half that number was in the sweep until it had lost every run we made (too few sessions:
-    the engine idles while they wait on tools) while being the longest policy of the run;
-    dropping it keeps the default run under two minutes. ``--caps`` sweeps anything."""
+    The best cap often lies between fit and twice fit (cap-20 of a 12..36 sweep on the
+    default scenario, cap-3 on cpu-heavy), so the sweep has a point there. Half of fit was in
+    the sweep until it had lost every run we made (too few sessions: the engine idles while
+    they wait on tools) while being the longest policy of the run. ``--caps`` sweeps anything."""
     n = len(workload.sessions)
-    if not pool_tokens:
-        return sorted({max(1, n // 4), max(1, n // 2)})
-    mean_final = workload.working_set_tokens() / max(1, n)
-    fit = max(1, int(pool_tokens / max(1.0, mean_final)))
-    caps = sorted({max(1, min(n, c)) for c in (fit, 2 * fit)})
-    return caps
+    if pool_tokens:
+        mean_final = workload.working_set_tokens() / max(1, n)
+        fit = max(1, int(pool_tokens / max(1.0, mean_final)))
+    else:
+        fit = max(1, n // 4)
+    return sorted({max(1, min(n, c)) for c in (fit, (3 * fit + 1) // 2, 2 * fit)})
 
 
 def _parse_caps(text: str) -> list[int]:
@@ -417,7 +504,8 @@ async def _run_all(args: argparse.Namespace, sc: Scenario, workload: Workload, e
                 async with env.fresh() as client:
                     res = await run_policy(p, workload, client, time_scale=time_scale, redis_url=redis_url,
                                            base_cfg=base_cfg, scale_knobs=not args.no_scale_knobs,
-                                           snapshot_interval_s=args.snapshot_interval, on_turn=on_turn)
+                                           snapshot_interval_s=args.snapshot_interval, on_turn=on_turn,
+                                           step_timeout_s=getattr(args, "step_timeout", None))
                 hr = res.counters.hit_rate
                 walls[p.name].append(f"{res.wall_s:.2f}s")
                 progress.update(tid, info=" ".join(walls[p.name]) + (f"  hit {hr:.3f}" if hr is not None else ""))
@@ -457,33 +545,217 @@ def _sigterm_interrupts():
         signal.signal(signal.SIGTERM, old)
 
 
+MAX_TIME_SCALE = 100.0
+MAX_SNAPSHOT_INTERVAL_S = 60.0
+#: the bound on each check of an engine or Redis before the run (per call, s)
+PROBE_TIMEOUT_S = 5.0
+# the files a run writes into --out (report.write_json, report.write_plots)
+_OUT_FILES = ("bench.json",)
+_PLOT_FILES = ("hit_rate_over_time.png", "latency_by_turn.png")
+
+_TRACE_SHAPE_FLAGS = (("--sessions", "sessions"), ("--turns", "turns"), ("--first-prompt", "first_prompt"),
+                      ("--tool-result", "tool_result"), ("--output", "output"),
+                      ("--tool-fast-median", "tool_fast_median"), ("--tool-slow-median", "tool_slow_median"),
+                      ("--tool-slow-frac", "tool_slow_frac"), ("--tool-sigma", "tool_sigma"),
+                      ("--tool-max", "tool_max"), ("--arrival-spread", "arrival_spread"))
+
+
+def _check_flag_combinations(args: argparse.Namespace) -> None:
+    """Flags a run would ignore are errors, not silently dropped."""
+    if args.trace:
+        given = [flag for flag, dest in _TRACE_SHAPE_FLAGS if getattr(args, dest, None) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} cannot be used with --trace: the trace's lines give its "
+                             f"sessions, turns, token counts and gaps")
+    if args.engine:
+        given = [flag for flag, dest in (("--profile", "profile"), ("--sim-engines", "sim_engines"),
+                                         ("--kv-capacity", "kv_capacity")) if getattr(args, dest) is not None]
+        if args.sim_prefill_metrics:
+            given.append("--sim-prefill-metrics")
+        if given:
+            raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to the simulator, "
+                             f"not to --engine URLs")
+    else:
+        given = [flag for flag, dest in (("--router", "router"), ("--model", "model"))
+                 if getattr(args, dest) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --engine URLs, "
+                             f"not to the simulator")
+
+
+def _check_http_url(flag: str, url: str) -> None:
+    """ValueError unless ``url`` is http(s)://host[:port][/path] with a port in range."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError when out of range or not a number
+    except ValueError as e:
+        raise ValueError(f"{flag} {url}: {e}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{flag} {url}: the URL must start with http:// or https://")
+    if not parts.hostname:
+        raise ValueError(f"{flag} {url}: the URL names no host")
+    if port == 0:
+        raise ValueError(f"{flag} {url}: port 0 is not a port an engine listens on")
+
+
+def _redact(url: str) -> str:
+    """A Redis URL with its password replaced by ``***``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        if parts.password:
+            host = parts.netloc.rsplit("@", 1)[-1]
+            return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+    except ValueError:
+        pass
+    return url
+
+
+def check_redis_url(url: str) -> None:
+    """ValueError unless redis-py can parse ``url`` (scheme redis://, rediss:// or unix://)."""
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--redis {_redact(url)}: {e}") from None
+
+
+def ping_redis(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """ValueError unless the Redis at ``url`` answers PING; bounded by ``timeout_s`` for the
+    connection and the answer, and as a whole (a name lookup is not bounded by socket
+    timeouts: the ping runs in a thread that is abandoned after ``2 * timeout_s + 1``)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    result: dict = {}
+
+    def ping() -> None:
+        try:
+            client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                                          retry=Retry(NoBackoff(), 0))
+            try:
+                client.ping()
+            finally:
+                client.close()
+        except Exception as e:  # any failure is the answer: the run could not use it
+            result["error"] = e
+        else:
+            result["ok"] = True
+
+    t = threading.Thread(target=ping, name="kvgate-bench-redis-ping", daemon=True)
+    t.start()
+    t.join(2 * timeout_s + 1)
+    if result.get("ok"):
+        return
+    err = result.get("error")
+    why = f"{type(err).__name__}: {err}" if err is not None else f"no answer within {2 * timeout_s + 1:g} s"
+    from urllib.parse import urlsplit
+
+    with contextlib.suppress(ValueError):
+        pw = urlsplit(url).password
+        if pw:
+            why = why.replace(pw, "***")
+    raise ValueError(f"--redis {_redact(url)}: no answer to PING ({why})")
+
+
+def check_out_dir(path: str, plots: bool = True) -> None:
+    """ValueError unless ``--out`` is a writable directory or can be created (touches nothing)."""
+    p = Path(path).absolute()
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"--out {path}: exists and is not a directory")
+    if p.is_dir():
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ValueError(f"--out {path}: the directory is not writable")
+        for name in _OUT_FILES + (_PLOT_FILES if plots else ()):
+            if (p / name).is_dir():
+                raise ValueError(f"--out {path}: {name} there is a directory; the bench writes a file of that name")
+        return
+    a = p
+    while not a.exists() and a != a.parent:
+        a = a.parent
+    if not a.is_dir():
+        raise ValueError(f"--out {path}: cannot be created, {a} is not a directory")
+    if not os.access(a, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path}: cannot be created, {a} is not writable")
+
+
+def make_out_dir(path: str) -> None:
+    """Create ``--out`` and write a file in it, before the run (ValueError if either fails)."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".kvgate-bench-write-test-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot write there ({e.strerror or e})") from None
+
+
+def check_fits(workload: Workload, limit: int, why: str) -> None:
+    """ValueError naming the turn (or the trace line) that asks one engine for more than
+    ``limit`` tokens (prompt + output): the engine would refuse it on every policy."""
+    tokens, where = workload.largest_request()
+    if tokens <= limit:
+        return
+    trace = workload.spec.get("trace")
+    if trace is not None:
+        raise ValueError(f"{trace}: {where}: input_tokens + output_tokens = {tokens:,}, but {why} allows at "
+                         f"most {limit:,}: the engine would refuse that turn")
+    raise ValueError(f"{where} needs {tokens:,} tokens (prompt + output), but {why} allows at most "
+                     f"{limit:,}: use fewer --turns or a shorter --first-prompt, --tool-result or --output")
+
+
+def check_sim_fits(workload: Workload, env: "SimEnv", vocab_given: bool) -> None:
+    """The workload against the simulator's profile: its largest request and its token ids."""
+    check_fits(workload, *env.request_limit())
+    v = env.profile.vocab_size
+    if workload.vocab > v:
+        src = "--vocab" if vocab_given else "the scenario's vocabulary"
+        raise ValueError(f"token ids are drawn below {workload.vocab:,} ({src}), but profile {env.profile.name} "
+                         f"has a vocabulary of {v:,} ids: the engine would refuse every turn")
+
+
 def _prepare(args: argparse.Namespace, probe: bool) -> tuple:
-    """Check every argument and build what a run needs; ``probe=False`` touches no engine (the
-    pool is then unknown, so default caps are a placeholder). Raises ValueError."""
+    """Check every argument and build what a run needs. Everything that needs no engine and
+    no Redis is checked first; ``probe=False`` stops there (the pool of real engines is then
+    unknown, so default caps are a placeholder). ``probe=True`` then asks the engines (they
+    must answer; what they say bounds the workload), pings ``--redis`` when a gate policy
+    will use it, and creates ``--out``. Raises ValueError; nothing has run by then."""
     sc = SCENARIOS[args.scenario]
     if isinstance(args.rounds, bool) or not isinstance(args.rounds, int) or args.rounds < 1:
         raise ValueError(f"--rounds must be an integer >= 1, got {args.rounds!r}")
     time_scale = args.time_scale if args.time_scale is not None else (1.0 if args.engine else sc.time_scale)
-    if not (math.isfinite(time_scale) and time_scale > 0):
-        raise ValueError(f"--time-scale must be > 0, got {time_scale}")
+    if not (math.isfinite(time_scale) and 0 < time_scale <= MAX_TIME_SCALE):
+        raise ValueError(f"--time-scale must be a number in (0, {MAX_TIME_SCALE:g}], got {time_scale}")
     if args.snapshot_interval is None:
-        args.snapshot_interval = max(0.05, 1.0 * time_scale)
-    if not (args.snapshot_interval > 0):
-        raise ValueError("--snapshot-interval must be > 0")
+        args.snapshot_interval = min(MAX_SNAPSHOT_INTERVAL_S, max(0.05, 1.0 * time_scale))
+    if not (math.isfinite(args.snapshot_interval) and 0 < args.snapshot_interval <= MAX_SNAPSHOT_INTERVAL_S):
+        raise ValueError(f"--snapshot-interval must be a number of seconds in (0, {MAX_SNAPSHOT_INTERVAL_S:g}], "
+                         f"got {args.snapshot_interval}")
+    step_timeout = getattr(args, "step_timeout", None)
+    if step_timeout is not None and not (math.isfinite(step_timeout) and step_timeout > 0):
+        raise ValueError(f"--step-timeout must be a finite number of seconds > 0, got {step_timeout}")
     if (getattr(args, "embedded_redis", "auto") == "redis-server" and not args.redis
             and shutil.which("redis-server") is None):
         raise ValueError("--embedded-redis redis-server: no redis-server binary on PATH "
                          "(install it, or use --embedded-redis fakeredis or --redis URL)")
+    if args.redis:
+        check_redis_url(args.redis)
+    check_out_dir(args.out, plots=not args.no_plots)
+    _check_flag_combinations(args)
     workload = build_workload(args, sc)
+    check_fits(workload, MAX_REQUEST_TOKENS, "the bench")
     env: EngineEnv | None = None
     pool = None
     if args.engine:
-        if args.sim_prefill_metrics:
-            raise ValueError("--sim-prefill-metrics applies to the simulator, not to --engine URLs")
+        for flag, urls in (("--engine", args.engine), ("--router", [args.router] if args.router else [])):
+            for u in urls:
+                _check_http_url(flag, u)
         make_client(args.engine_kind, args.engine, args.engine)  # validates the URLs
-        if probe:
-            env = RealEnv(args.engine_kind, args.engine, args.router, args.model)
-            pool = asyncio.run(env.probe_pool())
     else:
         engines = args.sim_engines if args.sim_engines is not None else sc.engines
         if engines < 1:
@@ -491,6 +763,7 @@ def _prepare(args: argparse.Namespace, probe: bool) -> tuple:
         env = SimEnv(args.profile or sc.profile, engines, time_scale,
                      args.kv_capacity if args.kv_capacity is not None else sc.kv_capacity,
                      prefill_metrics=args.sim_prefill_metrics)
+        check_sim_fits(workload, env, vocab_given=args.vocab is not None)
         pool = env.pool_tokens
     caps = _parse_caps(args.caps) if args.caps else default_caps(workload, pool)
     if args.policies is None:
@@ -500,6 +773,19 @@ def _prepare(args: argparse.Namespace, probe: bool) -> tuple:
     for p in policies:  # a policy's own knobs are checked now, not when its turn comes
         if p.kind == "gate":
             scaled_gate_config(base_cfg, p, time_scale)
+    if probe:
+        if args.engine:
+            env = RealEnv(args.engine_kind, args.engine, args.router, args.model)
+            pool = asyncio.run(env.probe_pool(PROBE_TIMEOUT_S))
+            limit = env.request_limit()
+            if limit is not None:
+                check_fits(workload, *limit)
+            if not args.caps:
+                caps = default_caps(workload, pool)
+                policies = parse_policies(args.policies, caps)
+        if args.redis and any(p.kind == "gate" for p in policies):
+            ping_redis(args.redis)
+        make_out_dir(args.out)
     return sc, time_scale, workload, env, pool, caps, policies, base_cfg
 
 
@@ -533,9 +819,10 @@ def run(args: argparse.Namespace) -> int:
 
     out_dir = Path(args.out)
     wl = workload.describe()
+    pool_text = f"{pool:,} tokens" if pool else "unknown (no /kvgate/usage)"
     console.print(f"[bold]kvgate bench[/] scenario [cyan]{args.scenario}[/]: {wl['sessions']} sessions, "
-                  f"{wl['turns']} turns, working set {wl['working_set_tokens']:,} tokens vs pool "
-                  f"{pool:,} tokens" if pool else "", highlight=False)
+                  f"{wl['turns']} turns, working set {wl['working_set_tokens']:,} tokens vs pool {pool_text}",
+                  highlight=False)
     console.print(f"tool latency p50 {wl['tool_latency_p50_s']}s p90 {wl['tool_latency_p90_s']}s (unscaled), "
                   f"time scale {time_scale}; policies: {escape(', '.join(p.name for p in policies))}", highlight=False)
     host = describe_host()  # before the run: its load average is the machine's, not ours
@@ -559,15 +846,19 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the simulator and Redis were stopped on the way out
         console.print("[red]interrupted[/]: no results written")
         return 130
-    except (RuntimeError, OSError, TimeoutError) as e:
-        # a part that would not start (redis-server, the simulator) or a step past its
-        # timeout: what was started is stopped on the way out; say why, not a traceback
+    except (RuntimeError, OSError, TimeoutError, RedisError) as e:
+        # a part that would not start (redis-server, the simulator), a Redis lost after it
+        # answered the check, or a step past its timeout: what was started is stopped on the
+        # way out; say why, not a traceback
         console.print(f"[red]error:[/] {escape(f'{type(e).__name__}: {e}')}: no results written",
                       highlight=False)
         return 1
     elapsed = time.monotonic() - t_start
 
-    summaries = [summarize(results, workload) for results in rounds]
+    # the engines' block size, where the bench knows it (the simulator's profile; a real
+    # engine's when its env records one): re-prefill then leaves out the partial blocks
+    block = getattr(env, "block_size", None) or getattr(getattr(env, "profile", None), "block_size", None)
+    summaries = [summarize(results, workload, block_size=block) for results in rounds]
     summary = combine_rounds(summaries)
     render_table(summary, console, scenario=f"trace {args.trace}" if args.trace else args.scenario)
     # the issue-5 checks: the simulator scenarios, and the CPU vLLM ones (on real engines or
@@ -577,15 +868,28 @@ def run(args: argparse.Namespace) -> int:
     if args.engine and check_kind in ("pressure", "no-pressure"):
         check_kind = None  # those targets are about the simulator's GPU profile
     verdicts = checks(summary, check_kind) if check_kind and not args.trace else []
+    # the targets are defined on the unmodified scenario: say which flags changed it
+    from .report import scenario_changes
+
+    changed = scenario_changes(args, sc, time_scale=time_scale, caps_run=[p.cap for p in policies if p.kind == "cap"],
+                               default_caps=default_caps(workload, pool)) \
+        if any(ok is not None for _, ok, _ in verdicts) else []
+    if changed:
+        console.print(f"[yellow]modified scenario[/] ({escape(', '.join(changed))}): the checks below are made on "
+                      f"it, but the issue's targets are defined on the unmodified {escape(args.scenario)} scenario",
+                      highlight=False)
     for name, ok, detail in verdicts:
-        mark = "[green]PASS[/]" if ok else "[red]FAIL[/]"
-        console.print(f"{mark} {escape(name)}: {escape(detail)}", highlight=False)  # kvgate[..] is markup
+        mark = "[yellow]NOT MADE[/]" if ok is None else "[green]PASS[/]" if ok else "[red]FAIL[/]"
+        note = " [yellow](modified scenario)[/]" if changed and ok is not None else ""
+        console.print(f"{mark} {escape(name)}: {escape(detail)}{note}", highlight=False)  # kvgate[..] is markup
     lagged = round_lag_warnings(summaries, time_scale)
     for line in lagged:
         console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False)
     extra = {"scenario": args.scenario, "time_scale": time_scale, "engines": env.describe(),
              "redis": redis_kind, "elapsed_s": elapsed, "caps": caps, "rounds": args.rounds,
-             "checks": [{"check": n, "passed": ok, "detail": d} for n, ok, d in verdicts],
+             "checks": [{"check": n, "passed": ok, "detail": d, "made": ok is not None,
+                         "modified_scenario": bool(changed)} for n, ok, d in verdicts],
+             "scenario_modified_by": changed,
              "warnings": lagged,
              "argv": sys.argv[1:], "version": _source_version(), "host": host}
     json_path = out_dir / "bench.json"

@@ -216,10 +216,12 @@ class EngineClient:
                 r = await self.http.get(url + "/kvgate/usage", timeout=5.0)
                 r.raise_for_status()
                 d = r.json()
-                cap = int(d["num_gpu_blocks"]) * int(d["block_size"])
-                return {"url": url, "capacity_tokens": cap, "usage": float(d["usage"]), "healthy": cap > 0}
+                block = int(d["block_size"])
+                cap = int(d["num_gpu_blocks"]) * block
+                return {"url": url, "capacity_tokens": cap, "usage": float(d["usage"]), "healthy": cap > 0,
+                        "block_size": block}
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                return {"url": url, "capacity_tokens": 0, "usage": None, "healthy": False}
+                return {"url": url, "capacity_tokens": 0, "usage": None, "healthy": False, "block_size": None}
 
         return list(await asyncio.gather(*(one(u) for u in self.engine_urls)))
 

@@ -24,7 +24,9 @@ MATRIX_ISA_LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def matrix_isa(flags: Iterable[str]) -> str:
-    """The highest level of ``MATRIX_ISA_LEVELS`` the flags cover, else ``"other"``."""
+    """The highest level of ``MATRIX_ISA_LEVELS`` the flags cover, else ``"other"`` (flags
+    were read and name none of them: an x86 CPU older than AVX2). ``describe()`` says
+    ``"unknown"`` instead where no flags could be read at all."""
     have = set(flags)
     for name, needs in MATRIX_ISA_LEVELS:
         if all(f in have for f in needs):
@@ -49,9 +51,9 @@ def parse_cpuinfo(text: str) -> tuple[str | None, list[str]]:
 
 
 def describe(cpuinfo: str = "/proc/cpuinfo") -> dict:
-    """``{cpu, matrix_isa, cpus, load_1m}``; ``matrix_isa`` is ``"unknown"`` where the CPU's
-    flags cannot be read (not Linux, not x86), ``load_1m`` is absent where there is no load
-    average."""
+    """``{cpu, matrix_isa, cpus, load_1m}``; ``matrix_isa`` is one of ``MATRIX_ISA_LEVELS``,
+    ``"other"`` where the CPU's flags name none of them, or ``"unknown"`` where they cannot be
+    read (not Linux, not x86); ``load_1m`` is absent where there is no load average."""
     try:
         with open(cpuinfo) as f:
             model, flags = parse_cpuinfo(f.read())

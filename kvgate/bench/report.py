@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .runner import PolicyResult
-from .workload import Workload
+from .workload import Workload, parse_range
 
 __all__ = ["summarize", "combine_rounds", "render_table", "write_json", "write_plots", "checks", "lag_warnings",
-           "round_lag_warnings", "straggler"]
+           "round_lag_warnings", "straggler", "scenario_changes"]
 
 
 def _pct(xs: Sequence[float], p: float) -> float | None:
@@ -24,9 +24,59 @@ def _pct(xs: Sequence[float], p: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def summarize(results: Sequence[PolicyResult], workload: Workload) -> dict:
-    """One dict per policy plus the comparisons (ratios to ``none``, best cap)."""
+def _is_attempt_preemption(key: str) -> bool:
+    """The step metric counting preempted attempts (``<prefix>admission/preempted``), not the
+    per-session gauges beside it (``..._sessions``, ``..._max_per_session``)."""
+    return key == "admission/preempted" or key.endswith("/admission/preempted")
+
+
+def _continues(prev: Any, t: Any, resets: Any) -> bool:
+    """Whether turn record ``t`` extends the history ``prev`` (the session's previous record)
+    left in the engine: no reset in between (the workload's marks) and a prompt at least as long
+    as what ``prev`` sent and got back (a shorter one is a reset or truncation)."""
+    if any((t.session, i) in resets for i in range(prev.turn + 1, t.turn + 1)):
+        return False
+    return t.prompt_tokens >= prev.prompt_tokens + prev.output_tokens
+
+
+def _reusable(prev: Any, t: Any, block: int) -> int:
+    """Tokens of ``t``'s prompt a cache that kept everything could have served after ``prev``:
+    the whole blocks of ``prev``'s prompt + output but its last token (whose KV is never
+    computed; what SGLang's ``cache_finished_req`` and vLLM cache), at most ``input - 1`` tokens
+    (both engines always compute the last prompt token)."""
+    return min((prev.prompt_tokens + max(prev.output_tokens - 1, 0)) // block,
+               (t.prompt_tokens - 1) // block) * block
+
+
+def _unavoidable_tokens(turns: Sequence[Any], block: int, resets: Any = frozenset()) -> int:
+    """Prompt tokens no cache could have served, turn by turn, from the turn records: a first
+    turn's (or a reset's) whole prompt; a continuation's prompt minus :func:`_reusable` from the
+    session's previous record (the last one that reached the engine, when a turn failed)."""
+    n = 0
+    for ts in _by_session(turns).values():
+        prev = None
+        for t in ts:
+            if prev is not None and _continues(prev, t, resets):
+                n += t.prompt_tokens - _reusable(prev, t, block)
+            else:
+                n += t.prompt_tokens
+            prev = t
+    return n
+
+
+def summarize(results: Sequence[PolicyResult], workload: Workload, block_size: int | None = None) -> dict:
+    """One dict per policy plus the comparisons (ratios to ``none``, best cap).
+
+    ``block_size``: the engines' KV block (page) size, when known. Re-prefill is then the
+    uncached tokens beyond those a cache that kept everything could not have served, turn by
+    turn (:func:`_unavoidable_tokens`: engines reuse whole blocks only); without it, the
+    uncached tokens beyond the workload's fresh tokens (first prompts, tool results), which
+    also counts each turn's partial last block (``reprefill_tokens_beyond_fresh``, always in
+    the row)."""
     fresh = workload.fresh_tokens()
+    block = block_size if block_size and block_size > 0 else None
+    resets = {(s.session_id, i) for s in workload.sessions for i, t in enumerate(s.turns)
+              if t.reset_to is not None}
     n_turns_sess = {s.session_id: len(s.turns) for s in workload.sessions}
     rows = []
     for r in results:
@@ -52,7 +102,8 @@ def summarize(results: Sequence[PolicyResult], workload: Workload) -> dict:
                           for t in r.turns if t.outcome or t.reason)
         waits = [t.waited_s for t in r.turns if t.waited_s > 0]
         preempt = sum(v for k, v in r.step_metrics.items()
-                      if "preempt" in k and isinstance(v, (int, float)) and not isinstance(v, bool))
+                      if _is_attempt_preemption(k) and isinstance(v, (int, float)) and not isinstance(v, bool))
+        unavoidable = _unavoidable_tokens(r.turns, block, resets) if block else fresh
         rows.append({
             "policy": r.policy.name,
             "kind": r.policy.kind,
@@ -66,7 +117,9 @@ def summarize(results: Sequence[PolicyResult], workload: Workload) -> dict:
             "hit_rate_responses": (sum(client_cached) / client_prompt) if client_cached and client_prompt else None,
             "prompt_tokens": client_prompt,
             "uncached_tokens": uncached,
-            "reprefill_tokens": max(0.0, uncached - fresh) if uncached is not None else None,
+            "reprefill_tokens": max(0.0, uncached - unavoidable) if uncached is not None else None,
+            "reprefill_tokens_beyond_fresh": max(0.0, uncached - fresh) if uncached is not None else None,
+            "unavoidable_tokens": unavoidable,
             "latency_p50_s": _pct(lat, 0.5),
             "latency_p99_s": _pct(lat, 0.99),
             "late_latency_p50_s": _pct(late, 0.5),
@@ -80,7 +133,7 @@ def summarize(results: Sequence[PolicyResult], workload: Workload) -> dict:
             "usage_over_time": [(round(t, 3), round(u, 4)) for t, u in r.usage_samples],
             "gate_over_time": r.gate_samples,
             "idle_while_waiting": _idle_while_waiting(r.gate_samples),
-            "reprefill_by_admission": _reprefill_by_admission(r.turns),
+            "reprefill_by_admission": _reprefill_by_admission(r.turns, block, resets),
             "sessions": _session_rows(r.turns, n_turns_sess),
             "loop_lag_s": {"p50": _pct(r.loop_lags, 0.5), "p99": _pct(r.loop_lags, 0.99),
                            "max": max(r.loop_lags) if r.loop_lags else None, "n": len(r.loop_lags)},
@@ -95,7 +148,7 @@ def summarize(results: Sequence[PolicyResult], workload: Workload) -> dict:
     for x in rows:
         x["best_cap"] = bool(best_cap is not None and x is best_cap)
     return {"workload": workload.describe(), "policies": rows,
-            "best_cap": best_cap["policy"] if best_cap else None}
+            "best_cap": best_cap["policy"] if best_cap else None, "block_size": block}
 
 
 def combine_rounds(summaries: Sequence[dict]) -> dict:
@@ -130,7 +183,8 @@ def combine_rounds(summaries: Sequence[dict]) -> dict:
     for x in rows:
         x["best_cap"] = bool(best_cap is not None and x is best_cap)
     return {"workload": summaries[0]["workload"], "policies": rows,
-            "best_cap": best_cap["policy"] if best_cap else None}
+            "best_cap": best_cap["policy"] if best_cap else None,
+            "block_size": summaries[0].get("block_size")}
 
 
 def _by_session(turns: Sequence[Any]) -> dict[str, list[Any]]:
@@ -185,13 +239,16 @@ def round_lag_warnings(summaries: Sequence[dict], time_scale: float) -> list[str
             for i, s in enumerate(summaries, 1) for w in lag_warnings(s, time_scale)]
 
 
-def _reprefill_by_admission(turns: Sequence[Any]) -> dict[str, dict[str, int]] | None:
+def _reprefill_by_admission(turns: Sequence[Any], block: int | None = None,
+                            resets: Any = frozenset()) -> dict[str, dict[str, int]] | None:
     """Which admissions paid for the re-prefill: per admission (``admit/aged``, ``-`` for an
     ungated turn), the turns and the prompt tokens the engine computed although it had seen
     them before. Read from the responses' ``cached_tokens``, turn by turn: a turn's new tokens
     are its prompt minus the previous turn's prompt and output (its whole prompt for a first
-    turn or a reset context); whatever else was not cached is re-prefill. ``None`` when the
-    engines report no ``cached_tokens``."""
+    turn or a reset context); whatever else was not cached is re-prefill. With the block size
+    known, only what a cache that kept everything could have served counts as seen
+    (:func:`_reusable`: whole blocks, at most ``input - 1`` tokens). ``None`` when the engines
+    report no ``cached_tokens``."""
     out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     seen = False
     for ts in _by_session(turns).values():
@@ -200,8 +257,10 @@ def _reprefill_by_admission(turns: Sequence[Any]) -> dict[str, dict[str, int]] |
             seen_before = 0
             if prev is not None and t.turn == prev.turn + 1:
                 seen_before = prev.prompt_tokens + prev.output_tokens
-                if t.prompt_tokens < seen_before:  # reset or truncated context: nothing reusable
-                    seen_before = 0
+                if t.prompt_tokens < seen_before or (t.session, t.turn) in resets:
+                    seen_before = 0  # reset or truncated context: nothing reusable
+                elif block:
+                    seen_before = _reusable(prev, t, block)
             prev = t
             if t.cached_tokens is None:
                 continue
@@ -244,12 +303,21 @@ def checks(summary: dict, scenario: str) -> list[tuple[str, bool | None, str]]:
     every full-gate policy of the run (``kvgate`` and each ``kvgate[k=v,...]``).
 
     ``scenario``: ``pressure`` (default, long-context), ``no-pressure``, ``cpu-heavy`` (within
-    10 % of the best fixed cap) or ``cpu-tiny`` (no more than 10 % slower than no gate)."""
+    10 % of the best fixed cap) or ``cpu-tiny`` (no more than 10 % slower than no gate).
+
+    ``passed`` is None for a check that was not made because the policy it compares against
+    did not run (no ``none``, no fixed cap; or no full-gate policy at all): its detail starts
+    with ``not made:`` and says why. Whether the run's scenario was the issue's is the caller's
+    to say (:func:`scenario_changes`)."""
     rows = {x["policy"]: x for x in summary["policies"]}
     none = rows.get("none")
     bc = rows.get(summary.get("best_cap") or "")
+    no_none = "not made: the no-gate policy ('none') did not run"
+    no_cap = "not made: no fixed-cap policy ran (cap or cap-N in --policies)"
     out: list[tuple[str, bool | None, str]] = []
     gates = [x for x in summary["policies"] if x["policy"] == "kvgate" or x["policy"].startswith("kvgate[")]
+    if not gates:
+        return [("kvgate (no checks)", None, "not made: no full-gate policy (kvgate or kvgate[...]) ran")]
     for gate in gates:
         name, ratio = gate["policy"], gate["ratio_to_none"]
         # a policy whose turns failed did less work than the workload asks: its wall-clock
@@ -261,28 +329,85 @@ def checks(summary: dict, scenario: str) -> list[tuple[str, bool | None, str]]:
                         + ", ".join(f"{x['policy']} ({x['errors']})" for x in broken)))
             continue
         rtxt = f"ratio {ratio:.3f}" if ratio is not None else "n/a"
+
+        def vs_cap(title: str, test: Any, detail: Any) -> None:
+            if bc is None:
+                out.append((f"{name} {title}", None, no_cap))
+            else:
+                out.append((f"{name} {title} ({bc['policy']})", test(), detail()))
+
+        def vs_none(title: str, limit: float) -> None:
+            if none is None:
+                out.append((f"{name} {title}", None, no_none))
+            else:
+                out.append((f"{name} {title}", ratio is not None and ratio <= limit, rtxt))
+
         if scenario == "cpu-heavy":
-            if bc is not None:
-                out.append((f"{name} within 10% of the best fixed cap ({bc['policy']})",
-                            gate["wall_s"] <= 1.10 * bc["wall_s"],
-                            f"{gate['wall_s']:.2f}s vs {bc['wall_s']:.2f}s ({gate['wall_s'] / bc['wall_s']:.3f}x)"))
-            continue
-        if none is None:
-            continue
-        if scenario == "cpu-tiny":
-            out.append((f"{name} no more than 10% slower than no gate", ratio is not None and ratio <= 1.10, rtxt))
-            continue
-        if scenario == "no-pressure":
-            out.append((f"{name} costs <= 5% vs no gate", ratio is not None and ratio <= 1.05, rtxt))
-            continue
-        out.append((f"{name} wall-clock <= 0.6x no gate", ratio is not None and ratio <= 0.6, rtxt))
-        if bc is not None:
-            out.append((f"{name} beats the best fixed cap ({bc['policy']})", gate["wall_s"] < bc["wall_s"],
-                        f"{gate['wall_s']:.2f}s vs {bc['wall_s']:.2f}s"))
-        hr = gate["hit_rate"]
-        ok = hr is not None and hr >= 0.9
-        detail = "n/a" if hr is None else f"{hr:.3f}" + ("" if ok else _aged_reprefill(gate))
-        out.append((f"{name} prefix-cache hit rate >= 0.9", ok, detail))
+            vs_cap("within 10% of the best fixed cap", lambda: gate["wall_s"] <= 1.10 * bc["wall_s"],
+                   lambda: f"{gate['wall_s']:.2f}s vs {bc['wall_s']:.2f}s ({gate['wall_s'] / bc['wall_s']:.3f}x)")
+        elif scenario == "cpu-tiny":
+            vs_none("no more than 10% slower than no gate", 1.10)
+        elif scenario == "no-pressure":
+            vs_none("costs <= 5% vs no gate", 1.05)
+        else:
+            vs_none("wall-clock <= 0.6x no gate", 0.6)
+            vs_cap("beats the best fixed cap", lambda: gate["wall_s"] < bc["wall_s"],
+                   lambda: f"{gate['wall_s']:.2f}s vs {bc['wall_s']:.2f}s")
+            hr = gate["hit_rate"]
+            ok = hr is not None and hr >= 0.9
+            detail = "n/a" if hr is None else f"{hr:.3f}" + ("" if ok else _aged_reprefill(gate))
+            out.append((f"{name} prefix-cache hit rate >= 0.9", ok, detail))
+    return out
+
+
+#: ``kvgate bench`` flags that set the workload (dest, the scenario's attribute, flag); an
+#: attribute ``tool.x`` is the scenario's tool latency's ``x``
+_WORKLOAD_FLAGS = (("sessions", "sessions"), ("turns", "turns"), ("first_prompt", "first_prompt"),
+                   ("tool_result", "tool_result"), ("output", "output"),
+                   ("tool_fast_median", "tool.fast_median_s"), ("tool_slow_median", "tool.slow_median_s"),
+                   ("tool_slow_frac", "tool.slow_frac"), ("tool_sigma", "tool.sigma"), ("tool_max", "tool.max_s"),
+                   ("arrival_spread", "arrival_spread_s"))
+#: the simulator's (ignored with --engine)
+_SIM_FLAGS = (("profile", "profile"), ("sim_engines", "engines"), ("kv_capacity", "kv_capacity"))
+_RANGE_FLAGS = {"turns", "first_prompt", "tool_result", "output"}
+
+
+def scenario_changes(args: Any, sc: Any, *, time_scale: float, caps_run: Sequence[int],
+                     default_caps: Sequence[int]) -> list[str]:
+    """What the flags of a ``kvgate bench`` run (``args``) changed in the workload or engines
+    of its named scenario ``sc`` (a ``kvgate.bench.cli.Scenario``), one ``--flag value`` each;
+    empty for the scenario as the issue defines it. A flag given with the scenario's own value
+    changes nothing. ``caps_run``: the fixed caps that ran; they change the scenario when they
+    are not its sweep ``default_caps`` (a cap of every session is no gate, so "beats the best
+    fixed cap" would compare nothing). The seed and the vocabulary only redraw token ids, and
+    ``--engine`` is how the CPU scenarios are meant to run: none of them counts."""
+    out = []
+
+    def differs(dest: str, attr: str) -> bool:
+        given = getattr(args, dest, None)
+        if given is None:
+            return False
+        dflt = sc
+        for part in attr.split("."):
+            dflt = getattr(dflt, part)
+        if dest in _RANGE_FLAGS:
+            return parse_range(given) != parse_range(dflt)
+        return given != dflt
+
+    engine = bool(getattr(args, "engine", None))
+    if getattr(args, "trace", None):
+        out.append(f"--trace {args.trace}")
+    else:
+        out += [f"--{d.replace('_', '-')} {getattr(args, d)}" for d, a in _WORKLOAD_FLAGS if differs(d, a)]
+    if not engine:
+        out += [f"--{d.replace('_', '-')} {getattr(args, d)}" for d, a in _SIM_FLAGS if differs(d, a)]
+        if getattr(args, "sim_prefill_metrics", False):
+            out.append("--sim-prefill-metrics")
+    if time_scale != (1.0 if engine else sc.time_scale):
+        out.append(f"--time-scale {time_scale:g}")
+    if caps_run and sorted(set(caps_run)) != sorted(set(default_caps)):
+        out.append(f"caps {','.join(map(str, sorted(set(caps_run))))} "
+                   f"(the scenario's sweep: {','.join(map(str, sorted(set(default_caps))))})")
     return out
 
 
@@ -349,7 +474,7 @@ def render_table(summary: dict, console: Any = None, scenario: str = "") -> None
     for col, just in (("policy", "left"), ("wall s", "right"), ("x none", "right"), ("hit rate", "right"),
                       ("uncached", "right"), ("re-prefill", "right"), ("p50 s", "right"), ("p99 s", "right"),
                       ("late p50 s", "right"), ("waits", "right"), ("preempt", "right"),
-                      ("admissions by reason", "left")):
+                      ("eng. preempt", "right"), ("admissions by reason", "left")):
         if col == "policy":  # names like kvgate[max_wait_s=600] must stay whole
             width = max([len(x["policy"]) + 2 for x in summary["policies"]] + [6])
             t.add_column(col, justify=just, no_wrap=True, min_width=width)
@@ -363,11 +488,17 @@ def render_table(summary: dict, console: Any = None, scenario: str = "") -> None
         t.add_row(name, _f(x["wall_s"]), _f(x["ratio_to_none"]), _f(x["hit_rate"], "{:.3f}"),
                   _tok(x["uncached_tokens"]), _tok(x["reprefill_tokens"]), _f(x["latency_p50_s"], "{:.3f}"),
                   _f(x["latency_p99_s"], "{:.3f}"), _f(x["late_latency_p50_s"], "{:.3f}"),
-                  str(x["waits"]), _f(x["gate_preemptions"], "{:.0f}"), adm)
+                  str(x["waits"]), _f(x["gate_preemptions"], "{:.0f}"),
+                  _f(x.get("engine_preemptions"), "{:.0f}"), adm)
     console.print(t)
+    block = summary.get("block_size")
+    unavoidable = (f"first prompts, tool results, and each turn's history past its last whole block of {block} "
+                   "tokens (engines reuse whole blocks only)" if block else
+                   "first prompts and tool results (block size unknown: partial blocks count as re-prefill)")
     console.print("* best fixed cap. 'late' = turns in the last third of their session; "
-                  "hit rate from the engines' own /metrics counters; re-prefill = uncached prompt "
-                  "tokens beyond those no engine could have cached.")
+                  f"{escape(_hit_source_text(summary['policies']))}; re-prefill = uncached prompt "
+                  f"tokens beyond those no cache could have served: {unavoidable}; preempt = attempts the "
+                  "gate preempted, eng. preempt = the engines' own preemptions (vLLM) or retractions (SGLang).")
     for x in summary["policies"]:
         by = x.get("reprefill_by_admission")
         if x["kind"] == "gate" and by:
@@ -398,6 +529,23 @@ def render_table(summary: dict, console: Any = None, scenario: str = "") -> None
             console.print(f"engines idle while turns waited, {escape(x['policy'])}: {iw['share']:.0%} of the "
                           f"{iw['samples']} samples with turns waiting (of {iw['of']}; how to read it: "
                           "docs/knobs.md)")
+
+
+_HIT_SOURCES = {"engine /metrics": "from the engines' own /metrics counters",
+                "responses (cached_tokens)": "from the responses' cached_tokens (the engines' counters could "
+                                             "not be read)",
+                "unavailable": "unavailable (no counters, no cached_tokens)"}
+
+
+def _hit_source_text(rows: Sequence[dict]) -> str:
+    """Where the table's hit rates come from: one source for all policies, or each source with
+    the policies it served (in the table's order)."""
+    by: dict[str, list[str]] = {}
+    for x in rows:
+        by.setdefault(x.get("hit_rate_source") or "unavailable", []).append(x["policy"])
+    if len(by) <= 1:
+        return "hit rate " + _HIT_SOURCES.get(next(iter(by), "engine /metrics"), next(iter(by), ""))
+    return "hit rate: " + "; ".join(f"{', '.join(names)} {_HIT_SOURCES.get(src, src)}" for src, names in by.items())
 
 
 def write_json(summary: dict, path: Path, extra: dict | None = None) -> None:

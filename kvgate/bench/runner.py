@@ -31,7 +31,22 @@ from .workload import Workload, session_tokens
 from .._aio import wait_for
 
 __all__ = ["Policy", "parse_policies", "TurnRecord", "PolicyResult", "EngineEnv", "run_policy",
-           "scaled_gate_config", "GATE_POLICIES"]
+           "scaled_gate_config", "GATE_POLICIES", "default_step_timeout"]
+
+#: what the default step timeout allows each turn (real seconds: the engine's time, any wait
+#: for a gate or a cap), and what it adds on top (docs/benchmarks.md#step-timeout)
+STEP_TIMEOUT_PER_TURN_S = 10.0
+STEP_TIMEOUT_MARGIN_S = 600.0
+
+
+def default_step_timeout(workload: Workload, time_scale: float) -> float:
+    """A bound on one policy's step that only a stuck run reaches: every session's gaps (tool
+    calls, arrival offsets) added up as if the sessions ran one after another (a cap of 1
+    nearly does), times the time scale; plus 10 s per turn, unscaled, for the engine's time
+    and any wait for a gate or a cap; plus 10 minutes. It grows with the workload, so a long
+    trace replayed at scale 1 can finish; ``--step-timeout`` overrides it."""
+    gaps = sum(t.gap_s for s in workload.sessions for t in s.turns)
+    return STEP_TIMEOUT_MARGIN_S + time_scale * gaps + STEP_TIMEOUT_PER_TURN_S * workload.num_turns
 
 GATE_POLICIES = {
     "admission": (True, False),
@@ -383,10 +398,15 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
                      scale_knobs: bool = True, snapshot_interval_s: float = 0.1,
                      sample_interval_s: float = 0.25, use_poller: bool = True,
                      on_turn: Callable[[TurnRecord], None] | None = None,
-                     step_timeout_s: float = 3600.0) -> PolicyResult:
-    """Run every session of ``workload`` against ``client`` under ``policy``."""
+                     step_timeout_s: float | None = None) -> PolicyResult:
+    """Run every session of ``workload`` against ``client`` under ``policy``; a step that
+    outlasts ``step_timeout_s`` (default: :func:`default_step_timeout`) raises TimeoutError."""
     if not (math.isfinite(time_scale) and time_scale > 0):
         raise ValueError(f"time scale must be > 0, got {time_scale!r}")
+    if step_timeout_s is None:
+        step_timeout_s = default_step_timeout(workload, time_scale)
+    if not (math.isfinite(step_timeout_s) and step_timeout_s > 0):
+        raise ValueError(f"step timeout must be a finite number of seconds > 0, got {step_timeout_s!r}")
     if policy.kind == "gate" and redis_url is None:
         raise ValueError(f"policy {policy.name!r} needs a Redis URL")
     loop = asyncio.get_running_loop()
@@ -517,8 +537,12 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
         samp = asyncio.create_task(sampler(gate))
         lag = asyncio.create_task(lag_probe())
         try:
-            await wait_for(asyncio.gather(*(session(s, gate) for s in workload.sessions)),
-                                   timeout=step_timeout_s)
+            try:
+                await wait_for(asyncio.gather(*(session(s, gate) for s in workload.sessions)),
+                               timeout=step_timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"policy {policy.name}: the step did not end within its timeout of "
+                                   f"{step_timeout_s:,.1f} s (--step-timeout)") from None
             end = loop.time()
         finally:
             stop_sampling.set()

@@ -33,10 +33,24 @@ __all__ = [
     "generate",
     "load_trace",
     "parse_range",
+    "MAX_REQUEST_TOKENS",
+    "MAX_GAP_S",
     "session_tokens",
 ]
 
 VOCAB_DEFAULT = 32000
+
+# Bounds on a workload, so that a typo (a unit error, an extra zero) is a clear error before
+# the run instead of a MemoryError or a wait that never ends in the middle of it:
+#: the largest request (prompt + output tokens) of any turn: 2M tokens, above the longest
+#: context windows served in practice (each prompt is held as a list of ids per session)
+MAX_REQUEST_TOKENS = 2_000_000
+#: the longest wait before a turn (a trace's gap_s, a tool call's cap, the arrival spread),
+#: unscaled: one day
+MAX_GAP_S = 86_400.0
+#: generated workloads: sessions, and turns per session
+MAX_SESSIONS = 100_000
+MAX_TURNS = 10_000
 
 
 @dataclass(frozen=True)
@@ -106,6 +120,8 @@ class ToolLatency:
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"tool latency {k} must be a finite number > 0, got {v!r}")
+        if self.max_s > MAX_GAP_S:
+            raise ValueError(f"tool latency max_s must be <= {MAX_GAP_S:g} s, got {self.max_s!r}")
         if not (0.0 <= self.slow_frac <= 1.0):
             raise ValueError(f"tool latency slow_frac must be in [0, 1], got {self.slow_frac!r}")
         if not (math.isfinite(self.sigma) and self.sigma >= 0):
@@ -131,6 +147,7 @@ class TurnSpec:
     output_tokens: int
     gap_s: float
     reset_to: int | None = None
+    line: int | None = field(default=None, compare=False)  # the trace line it came from
 
 
 @dataclass(frozen=True)
@@ -164,6 +181,21 @@ class Workload:
             total = t.reset_to if t.reset_to is not None else total + t.new_tokens
             total += t.output_tokens
         return total
+
+    def largest_request(self) -> tuple[int, str]:
+        """The most tokens one turn asks an engine to hold (its prompt + output tokens), and
+        where it is: ``"line N"`` of a trace, else ``"session S turn T"``. Outputs are taken
+        at their full length (the engines are asked for exactly that many: ``ignore_eos``)."""
+        best, where = 0, ""
+        for s in self.sessions:
+            total = 0
+            for idx, t in enumerate(s.turns):
+                total = t.reset_to if t.reset_to is not None else total + t.new_tokens
+                total += t.output_tokens
+                if total > best:
+                    best = total
+                    where = f"line {t.line}" if t.line is not None else f"session {s.session_id} turn {idx}"
+        return best, where
 
     def working_set_tokens(self) -> int:
         """Sum over sessions of their final context: the KV they would all keep resident."""
@@ -227,16 +259,20 @@ class WorkloadSpec:
     vocab: int = VOCAB_DEFAULT
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.sessions, int) and self.sessions >= 1):
-            raise ValueError(f"sessions must be an integer >= 1, got {self.sessions!r}")
-        if self.turns.lo < 1:
-            raise ValueError(f"turns must be >= 1, got {self.turns}")
+        if not (isinstance(self.sessions, int) and 1 <= self.sessions <= MAX_SESSIONS):
+            raise ValueError(f"sessions must be an integer in [1, {MAX_SESSIONS:,}], got {self.sessions!r}")
+        if not 1 <= self.turns.lo <= self.turns.hi <= MAX_TURNS:
+            raise ValueError(f"turns must be in [1, {MAX_TURNS:,}], got {self.turns}")
         if self.first_prompt.lo < 1:
             raise ValueError(f"first prompt length must be >= 1, got {self.first_prompt}")
         if self.output.lo < 1:
             raise ValueError(f"output length must be >= 1, got {self.output}")
-        if not (math.isfinite(self.arrival_spread_s) and self.arrival_spread_s >= 0):
-            raise ValueError(f"arrival spread must be >= 0 seconds, got {self.arrival_spread_s!r}")
+        for k in ("first_prompt", "tool_result", "output"):
+            if getattr(self, k).hi > MAX_REQUEST_TOKENS:
+                raise ValueError(f"{k.replace('_', ' ')} length must be <= {MAX_REQUEST_TOKENS:,} tokens, "
+                                 f"got {getattr(self, k)}")
+        if not (math.isfinite(self.arrival_spread_s) and 0 <= self.arrival_spread_s <= MAX_GAP_S):
+            raise ValueError(f"arrival spread must be in [0, {MAX_GAP_S:g}] seconds, got {self.arrival_spread_s!r}")
         if not (isinstance(self.vocab, int) and self.vocab >= 2):
             raise ValueError(f"vocab must be an integer >= 2, got {self.vocab!r}")
 
@@ -322,8 +358,15 @@ def parse_trace(lines: Iterable[str], *, seed: int = 0, vocab: int = VOCAB_DEFAU
         for key, val, lo in (("turn", turn, 0), ("input_tokens", inp, 1), ("output_tokens", out, 1)):
             if isinstance(val, bool) or not isinstance(val, int) or val < lo:
                 raise ValueError(f"{where}: {key!r} must be an integer >= {lo}, got {val!r}")
-        if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not math.isfinite(gap) or gap < 0:
-            raise ValueError(f"{where}: 'gap_s' must be a finite number >= 0, got {gap!r}")
+        for key, val in (("input_tokens", inp), ("output_tokens", out)):
+            if val > MAX_REQUEST_TOKENS:
+                raise ValueError(f"{where}: {key!r} must be <= {MAX_REQUEST_TOKENS:,}, got {val!r}")
+        if inp + out > MAX_REQUEST_TOKENS:
+            raise ValueError(f"{where}: input_tokens + output_tokens must be <= {MAX_REQUEST_TOKENS:,}, "
+                             f"got {inp + out:,}")
+        if (isinstance(gap, bool) or not isinstance(gap, (int, float)) or not math.isfinite(gap)
+                or not 0 <= gap <= MAX_GAP_S):
+            raise ValueError(f"{where}: 'gap_s' must be a number of seconds in [0, {MAX_GAP_S:g}], got {gap!r}")
         sid = str(sess)
         if sid not in rows:
             rows[sid] = {}
@@ -343,13 +386,15 @@ def parse_trace(lines: Iterable[str], *, seed: int = 0, vocab: int = VOCAB_DEFAU
         turns = []
         prev_total = 0
         for idx, t in enumerate(sorted(rows[sid])):
-            _, inp, out, gap = rows[sid][t]
+            lineno, inp, out, gap = rows[sid][t]
             if idx > 0 and inp >= prev_total:
-                turns.append(TurnSpec(turn=t, new_tokens=inp - prev_total, output_tokens=out, gap_s=gap))
+                turns.append(TurnSpec(turn=t, new_tokens=inp - prev_total, output_tokens=out, gap_s=gap,
+                                      line=lineno))
             elif idx == 0:
-                turns.append(TurnSpec(turn=t, new_tokens=inp, output_tokens=out, gap_s=gap))
+                turns.append(TurnSpec(turn=t, new_tokens=inp, output_tokens=out, gap_s=gap, line=lineno))
             else:
-                turns.append(TurnSpec(turn=t, new_tokens=0, output_tokens=out, gap_s=gap, reset_to=inp))
+                turns.append(TurnSpec(turn=t, new_tokens=0, output_tokens=out, gap_s=gap, reset_to=inp,
+                                      line=lineno))
             prev_total = inp + out
         sessions.append(SessionSpec(session_id=sid, turns=tuple(turns)))
     return Workload(sessions=tuple(sessions), seed=seed, vocab=vocab, source=f"trace:{name}",
