@@ -119,19 +119,28 @@ def build_parser(*, with_bench: bool = False) -> argparse.ArgumentParser:
     src = sp.add_mutually_exclusive_group()
     src.add_argument("--router", metavar="URL", help="sgl-router base URL (GET /workers, /list_workers)")
     src.add_argument("--engine", metavar="URL", action="append", help="engine base URL (repeatable)")
-    sp.add_argument("--interval", type=_positive_float, default=1.0, metavar="S", help="seconds between ticks")
-    sp.add_argument("--http-timeout", type=_positive_float, default=2.0, metavar="S",
-                    help="deadline of each router / engine request")
-    sp.add_argument("--max-body-bytes", type=_positive_int, default=8 * 1024 * 1024, metavar="N",
-                    help="stop reading a response past N bytes")
-    sp.add_argument("--leader-ttl", type=_positive_float, default=5.0, metavar="S",
-                    help="leader lease TTL; a standby takes over within about this long")
-    sp.add_argument("--concurrency", type=_positive_int, default=32, metavar="N",
-                    help="engines scraped at once")
-    sp.add_argument("--housekeep-limit", type=_positive_int, default=100, metavar="N")
-    sp.add_argument("--unhealthy-after", type=_positive_int, default=2, metavar="N",
+    # the poller's own settings: default None, so cmd_poller can tell a flag from
+    # KVGATE_POLLER_* (flags win over the environment, which wins over the defaults)
+    def penv(dest: str) -> str:
+        var, _conv, default = POLLER_ENV[dest]
+        return f"(default {default}; env {var})"
+
+    sp.add_argument("--interval", type=_positive_float, default=None, metavar="S",
+                    help="seconds between ticks; must be below --staleness-s " + penv("interval"))
+    sp.add_argument("--http-timeout", type=_positive_float, default=None, metavar="S",
+                    help="deadline of each router / engine request " + penv("http_timeout"))
+    sp.add_argument("--max-body-bytes", type=_positive_int, default=None, metavar="N",
+                    help="stop reading a response past N bytes " + penv("max_body_bytes"))
+    sp.add_argument("--leader-ttl", type=_positive_float, default=None, metavar="S",
+                    help="leader lease TTL; a standby takes over within about this long " + penv("leader_ttl"))
+    sp.add_argument("--concurrency", type=_positive_int, default=None, metavar="N",
+                    help="engines scraped at once " + penv("concurrency"))
+    sp.add_argument("--housekeep-limit", type=_positive_int, default=None, metavar="N",
+                    help="bound on the work of each housekeeping call " + penv("housekeep_limit"))
+    sp.add_argument("--unhealthy-after", type=_positive_int, default=None, metavar="N",
                     help="failed scrapes in a row before an engine the router lists as healthy counts "
-                         "as unhealthy (until then its last usable numbers stand; 1 = at once)")
+                         "as unhealthy (until then its last usable numbers stand; 1 = at once) "
+                         + penv("unhealthy_after"))
     sp.add_argument("--metrics-port", type=_port, default=None, metavar="P",
                     help="serve the gate's Prometheus metrics on this port")
     sp.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDR",
@@ -199,11 +208,32 @@ def _leader_of(gate, name: str) -> str | None:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+#: the poller's own settings (not GateConfig knobs): argparse dest -> (environment variable,
+#: parser, default). A flag wins over the variable, the variable over the default.
+POLLER_ENV = {
+    "interval": ("KVGATE_POLLER_INTERVAL_S", _positive_float, 1.0),
+    "http_timeout": ("KVGATE_POLLER_HTTP_TIMEOUT_S", _positive_float, 2.0),
+    "max_body_bytes": ("KVGATE_POLLER_MAX_BODY_BYTES", _positive_int, 8 * 1024 * 1024),
+    "leader_ttl": ("KVGATE_POLLER_LEADER_TTL_S", _positive_float, 5.0),
+    "concurrency": ("KVGATE_POLLER_CONCURRENCY", _positive_int, 32),
+    "housekeep_limit": ("KVGATE_POLLER_HOUSEKEEP_LIMIT", _positive_int, 100),
+    "unhealthy_after": ("KVGATE_POLLER_UNHEALTHY_AFTER", _positive_int, 2),
+}
+
+
 def cmd_poller(parser, args, cfg) -> int:
     from kvgate.poller import Poller
 
     if not args.router and not args.engine:
         parser.error("poller: give --router URL or at least one --engine URL")
+    for dest, (var, conv, default) in POLLER_ENV.items():
+        if getattr(args, dest) is not None:
+            continue  # given as a flag
+        raw = os.environ.get(var)
+        try:
+            setattr(args, dest, default if raw is None else conv(raw.strip()))
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"poller: {var}={raw!r}: {e}")
     gate = _open_gate(args, cfg, parser)
     try:
         poller = Poller(gate, router=args.router, engines=args.engine, interval_s=args.interval,
@@ -229,8 +259,9 @@ def cmd_poller(parser, args, cfg) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     logging.getLogger("kvgate.poller").info(
-        "poller %s for gate %s (%s), interval %.2fs, leader ttl %.1fs", poller.identity, poller.name,
-        args.router or ",".join(args.engine), args.interval, args.leader_ttl)
+        "poller %s for gate %s (%s), interval %.2fs, leader ttl %.1fs, http timeout %.1fs, concurrency %d",
+        poller.identity, poller.name, args.router or ",".join(args.engine), poller.interval_s,
+        poller.leader_ttl_s, poller.http_timeout_s, poller.concurrency)
     poller.run(max_ticks=args.max_ticks)
     return 0
 

@@ -8,7 +8,9 @@ One small process per gate (``kvgate poller ...``), or a library object::
 Each tick:
 
 1. leadership: take or extend the leader lease (a ``redis.lock.Lock`` on
-   ``kvgate:{gate}:poller_leader`` with ``leader_ttl_s``); a standby stops here;
+   ``kvgate:{gate}:poller_leader`` with ``leader_ttl_s``); a standby stops here.  A poller that
+   just became leader starts from nothing: numbers of an earlier term are not reused.  While
+   the leader's tick runs, a task extends the lease every ``leader_ttl_s / 3``;
 2. discover engines (router ``/workers`` -> ``/list_workers``, or the static list);
 3. scrape every engine's ``/metrics`` concurrently (bounded concurrency, an overall deadline and
    a body-size cap per request);
@@ -16,19 +18,25 @@ Each tick:
    unhealthy is ``healthy=False``, and so is one whose scrape failed (no answer, garbage)
    ``unhealthy_after`` times in a row (default 2: until then its last usable scrape stands
    in, so one timeout does not bump the epoch and end every ownership window);
-5. if at least one engine is healthy, and the lease is still ours, ``gate.write_snapshot``
-   (one atomic script; the core bumps the epoch when the healthy set changes).  When the router
-   is unreachable or no engine is healthy, *no* snapshot is written: the last one goes stale
-   and clients bypass as ``degraded`` after ``staleness_s`` (fail open);
+5. if the lease is still ours, ``gate.write_snapshot`` (one atomic script; the core bumps the
+   epoch when the healthy set changes).  With no healthy engine (or none listed) the snapshot
+   written has none: the healthy set changed, so the epoch bumps, and clients read it as not
+   fresh and bypass as ``degraded`` (fail open).  When the router is unreachable *nothing* is
+   written (nothing is known): the last snapshot goes stale after ``staleness_s``;
 6. ``gate.housekeep(limit=...)`` (reclaim expired leases and windows, drop dead waiters, wake).
 
-Only the leader writes and housekeeps.  See docs/poller.md.
+Only the leader writes and housekeeps.  Every Redis call of the poller runs on a few threads
+of its own (not the event loop's default executor, which also resolves engine host names) and
+is bounded by ``leader_ttl_s / 3``; one that does not answer in time counts as failed.
+See docs/poller.md.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -39,6 +47,7 @@ from typing import Any, Sequence
 import httpx
 import redis
 from redis.exceptions import LockError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvgate._http import async_client
 from kvgate.discovery import (
@@ -60,6 +69,16 @@ __all__ = ["Poller", "TickResult", "ScrapeResult", "engine_states", "leader_key"
 PREFILL_MIN_TOKENS = 256
 # the prefill load is measured over windows of at least this many seconds
 PREFILL_LOAD_WINDOW_S = 2.0
+
+# the gate knobs the scripts apply on every snapshot write and housekeeping call (FIFO
+# advance, trim, staleness, lease and window times): logged at start and in status(), since a
+# poller running with other values than the clients grants FIFO heads by its own
+WRITE_KNOBS = ("admission", "residency", "headroom", "pressure_threshold", "high_watermark",
+               "overcommit", "growth_reserve", "staleness_s", "lease_ttl_s", "idle_grace_s",
+               "wait_poll_s", "max_wait_s", "wait_cost_ratio", "wait_cost_load", "wait_cost_gap",
+               "wait_cost_pool", "reap_batch")
+
+_monotonic = time.monotonic  # the poller's own clock for its lease (tests replace it)
 
 
 def leader_key(gate_name: str) -> str:
@@ -189,6 +208,65 @@ def _gate_name(gate: Any) -> str:
     raise ValueError("cannot find the gate's name; pass name=... to Poller")
 
 
+class _CallThreads:
+    """A few daemon threads of one poller for its blocking Redis calls (synchronous redis-py).
+
+    Not the event loop's default executor: ``asyncio.to_thread`` and the loop's getaddrinfo
+    (httpx / anyio resolve engine host names there) share it, so slow DNS for a down engine
+    could queue the lease behind it past the TTL.  A call that never returns (a client without
+    a socket timeout on a Redis that stopped answering) keeps its thread; the caller stops
+    waiting at its bound, the next call gets another thread (up to ``max_threads``), and when
+    ``backlog`` calls are already waiting a new one fails at once.  Daemon threads, so a stuck
+    call never holds up the process's exit; idle ones end after ``idle_s``."""
+
+    def __init__(self, max_threads: int = 4, backlog: int = 8, idle_s: float = 30.0) -> None:
+        self.max_threads, self.backlog, self.idle_s = max_threads, backlog, idle_s
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+        self._queued = 0
+
+    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._queued >= self.backlog:
+                raise RedisTimeoutError(f"{self._queued} Redis calls of the poller are still waiting "
+                                        "for a thread (Redis does not answer)")
+            self._queued += 1
+            self._q.put((fut, fn, args))
+            if self._queued > self._idle and self._threads < self.max_threads:
+                self._threads += 1
+                threading.Thread(target=self._work, name="kvgate-poller-redis", daemon=True).start()
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            try:
+                item = self._q.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    self._idle -= 1
+                    if self._queued == 0:
+                        self._threads -= 1
+                        return
+                continue
+            with self._lock:
+                self._idle -= 1
+                self._queued -= 1
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue  # its caller stopped waiting before it started
+            try:
+                r = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+            else:
+                fut.set_result(r)
+
+
 class Poller:
     """Discover + scrape + write snapshots for one gate; leader-elected through Redis."""
 
@@ -216,9 +294,19 @@ class Poller:
         if leader_ttl_s <= interval_s:
             raise ValueError(f"leader_ttl_s ({leader_ttl_s}) must exceed interval_s ({interval_s}), "
                              "or the lease lapses between ticks")
-        if leader_ttl_s <= 2 * http_timeout_s:
-            log.warning("leader_ttl_s (%s) <= 2 x http_timeout_s (%s): a slow router or engine can make "
-                        "the lease lapse mid-tick and leadership flap", leader_ttl_s, http_timeout_s)
+        stale = getattr(getattr(gate, "config", None), "staleness_s", None)
+        if not isinstance(stale, (int, float)) or isinstance(stale, bool):
+            stale = None
+        self._staleness_s = stale
+        if stale is not None:
+            if interval_s >= stale:
+                raise ValueError(f"interval_s ({interval_s}) must be below the gate's staleness_s ({stale}): "
+                                 "clients would read every snapshot as stale before the next one and "
+                                 "bypass as degraded")
+            if interval_s + http_timeout_s >= stale:
+                log.warning("interval_s (%s) + http_timeout_s (%s) >= staleness_s (%s): one slow scrape "
+                            "leaves clients without a fresh snapshot (degraded)", interval_s,
+                            http_timeout_s, stale)
         for nm, v in (("concurrency", concurrency), ("housekeep_limit", housekeep_limit),
                       ("max_body_bytes", max_body_bytes), ("unhealthy_after", unhealthy_after)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -239,6 +327,12 @@ class Poller:
         self.lock = self.redis.lock(leader_key(self.name), timeout=self.leader_ttl_s,
                                     blocking=False, thread_local=False)
         self.is_leader = False
+        # every Redis call of a tick returns within this (a third of the lease): one slower
+        # than that counts as failed, as a Redis error does
+        self.redis_call_timeout_s = self.leader_ttl_s / 3
+        self._calls = _CallThreads()
+        self._lease_until = 0.0  # _monotonic() time by which our lease surely ran out
+        self._none_healthy = False  # the last snapshot written had no healthy engine
         self.last: TickResult | None = None
         self.ticks = 0
         self.writes = 0
@@ -255,47 +349,126 @@ class Poller:
         self._last_good: dict[str, EngineMetrics] = {}  # engine URL -> its last usable scrape
         self._failed_in_a_row: dict[str, int] = {}  # engine URL -> consecutive failed scrapes
         self.scrapes_bridged = 0
+        self.knobs = {k: getattr(getattr(gate, "config", None), k) for k in WRITE_KNOBS
+                      if hasattr(getattr(gate, "config", None), k)}
+        log.info("poller %s for gate %s writes snapshots with the gate knobs %s (clients must use the "
+                 "same: docs/poller.md#gate-knobs)", self.identity, self.name,
+                 " ".join(f"{k}={v}" for k, v in self.knobs.items()))
+
+    def _new_term(self) -> None:
+        """Forget every engine's numbers: this poller just became leader, and what it measured
+        before (its last term, maybe an hour ago) is not fresh.  A failed scrape is then not
+        bridged with an old usage, and rates (prefill load, hit rate, prefill cost) start over
+        instead of averaging across the time it stood by."""
+        for d in (self._known_ids, self._counters, self._hit_rates, self._prefill_sums, self._load_base,
+                  self._prefill_loads, self._prefill_costs, self._last_good, self._failed_in_a_row):
+            d.clear()
 
     # -- leadership -----------------------------------------------------------------------
-    def _hold_lease(self) -> bool:
-        """Extend the lease if we hold it, else try to take it.  Redis faults -> not leader."""
+    def _lease_redis(self) -> bool:
+        """The Redis side of :meth:`_hold_lease` (runs on a call thread; touches no poller
+        state): extend the lease if we hold it, else try to take it."""
+        if getattr(self.lock.local, "token", None) is not None:
+            # We held it at some point: extending checks the token atomically, so this also
+            # keeps a lease we still own after a Redis blip made us think we lost it.
+            try:
+                self.lock.extend(self.leader_ttl_s, replace_ttl=True)
+                return True
+            except LockError:
+                pass  # expired (we stalled) or taken over
+        return bool(self.lock.acquire(blocking=False, token=self.identity))
+
+    async def _hold_lease(self) -> bool:
+        """Extend or take the lease.  Redis faults, and calls slower than
+        ``redis_call_timeout_s``, -> not leader."""
         was = self.is_leader
+        t0 = _monotonic()
         try:
-            got = False
-            if getattr(self.lock.local, "token", None) is not None:
-                # We held it at some point: extending checks the token atomically, so this also
-                # keeps a lease we still own after a Redis blip made us think we lost it.
-                try:
-                    self.lock.extend(self.leader_ttl_s, replace_ttl=True)
-                    got = True
-                except LockError:
-                    pass  # expired (we stalled) or taken over
-            if not got:
-                got = bool(self.lock.acquire(blocking=False, token=self.identity))
+            got = await self._redis_call(self._lease_redis)
         except RedisError as e:
             log.warning("leader lease: redis error: %s", e)
             got = False
+        if got:
+            self._lease_until = t0 + self.leader_ttl_s
         self.is_leader = got
         if got != was:
             self.leader_changes += 1
             log.info("poller %s is now %s", self.identity, "LEADER" if got else "standby")
         return got
 
+    def _extend_redis(self) -> None:
+        self.lock.extend(self.leader_ttl_s, replace_ttl=True)  # LockError: not ours any more
+
+    async def _keep_lease(self) -> None:
+        """Extend the lease every ``leader_ttl_s / 3`` while the leader's tick runs: scraping
+        alone can take ``ceil(engines / concurrency)`` request deadlines, longer than the TTL,
+        and a lease that lapsed mid-tick lets a standby take it, whose own long tick then loses
+        it the same way (no poller would ever write).  Only extends, never takes: a lease that
+        is no longer ours stays lost, and the fence before the write refuses to write."""
+        period = self.leader_ttl_s / 3
+        while True:
+            await asyncio.sleep(period)
+            t0 = _monotonic()
+            try:
+                await self._redis_call(self._extend_redis)
+            except LockError:
+                self._lease_until = 0.0
+                return
+            except RedisError as e:
+                log.debug("leader lease: keep-alive failed: %s", e)
+                continue
+            self._lease_until = t0 + self.leader_ttl_s
+
+    @property
+    def holds_lease(self) -> bool:
+        """Leader at the last check, and the lease's TTL has not run out since on this
+        poller's own clock (a poller that stalled past it may have lost the lease)."""
+        return self.is_leader and _monotonic() < self._lease_until
+
     def leader_identity(self) -> str | None:
+        """Who holds the lease (``host:pid:random``), or None (none, or Redis did not answer
+        within ``redis_call_timeout_s``)."""
+        fut = None
         try:
-            v = self.redis.get(leader_key(self.name))
-        except RedisError:
+            fut = self._calls.submit(self.redis.get, leader_key(self.name))
+            v = fut.result(timeout=self.redis_call_timeout_s)
+        except (concurrent.futures.TimeoutError, RedisError):
+            if fut is not None:
+                fut.cancel()
             return None
         return v.decode() if isinstance(v, bytes) else v
 
-    def release(self) -> None:
-        """Give up the lease at once (graceful shutdown: a standby takes over next tick)."""
+    def _release_redis(self) -> None:
         if getattr(self.lock.local, "token", None) is not None:
             try:
                 self.lock.release()  # a no-op error if the lease is no longer ours
             except (LockError, RedisError):
                 pass
+
+    async def _arelease(self) -> None:
+        """:meth:`release` for the event loop (``arun``'s way out)."""
         self.is_leader = False
+        self._lease_until = 0.0
+        try:
+            await self._redis_call(self._release_redis)
+        except RedisError as e:
+            log.warning("leader lease: not released (%s): it expires within %.1fs", e, self.leader_ttl_s)
+
+    def release(self) -> None:
+        """Give up the lease at once (graceful shutdown: a standby takes over next tick).
+        Bounded by ``redis_call_timeout_s``; on a Redis that does not answer, the lease is
+        left to expire."""
+        self.is_leader = False
+        self._lease_until = 0.0
+        fut = None
+        try:
+            fut = self._calls.submit(self._release_redis)
+            fut.result(timeout=self.redis_call_timeout_s)
+        except (concurrent.futures.TimeoutError, RedisError) as e:
+            if fut is not None:
+                fut.cancel()
+            log.warning("leader lease: not released (%s): it expires within %.1fs",
+                        str(e) or "Redis did not answer in time", self.leader_ttl_s)
 
     # -- one tick -------------------------------------------------------------------------
     async def _scrape(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, ep: Endpoint) -> ScrapeResult:
@@ -385,19 +558,29 @@ class Poller:
     async def atick(self, client: httpx.AsyncClient | None = None) -> TickResult:
         t0 = time.monotonic()
         self.ticks += 1
-        if not await self._off_loop(self._hold_lease):
+        was = self.is_leader
+        if not await self._hold_lease():
             res = TickResult(leader=False, reason="standby", seconds=time.monotonic() - t0)
             self.last = res
             return res
+        if not was:
+            self._new_term()
         own = client is None
         if own:
             client = async_client(trust_env=False)
+        keeper = asyncio.create_task(self._keep_lease())
         try:
             res = await self._lead_tick(client)
         finally:
+            keeper.cancel()
             if own:
                 await client.aclose()
         res.seconds = time.monotonic() - t0
+        if self._staleness_s is not None and res.seconds > self._staleness_s:
+            log.warning("the tick took %.1fs, longer than staleness_s (%s): clients read the snapshot as "
+                        "stale meanwhile; scraping takes up to ceil(engines / --concurrency) x "
+                        "--http-timeout: raise --concurrency or lower --http-timeout", res.seconds,
+                        self._staleness_s)
         self.last = res
         return res
 
@@ -411,7 +594,7 @@ class Poller:
             res.reason = "router_unreachable"
             log.warning("%s", e)
             return False
-        if fenced and not await self._off_loop(self._hold_lease):  # discovery may have taken two request deadlines
+        if fenced and not await self._hold_lease():  # discovery may have taken two request deadlines
             res.leader = False
             res.reason = "lost_lease"
             return False
@@ -427,8 +610,10 @@ class Poller:
         res.states = engine_states(self._bridge(scrapes), hit_rates=self._hit_rates, known_ids=self._known_ids,
                                    prefill_costs=self._prefill_costs, prefill_loads=self._prefill_loads)
         if not any(st.healthy for st in res.states):
+            # still written: the healthy set is now empty (the epoch bumps, and again when
+            # engines come back, restarted with empty caches), and clients read a snapshot
+            # without a healthy engine as not fresh (degraded)
             res.reason = "no_healthy_engine" if endpoints else "no_engines"
-            return False
         return True
 
     def _bridge(self, scrapes: Sequence[ScrapeResult]) -> list[ScrapeResult]:
@@ -480,34 +665,52 @@ class Poller:
         res = TickResult(leader=True)
         if not await self._collect(client, res, fenced=True):
             if res.leader:
-                await self._off_loop(self._housekeep, res)
+                await self._housekeep(res)
             return res
         # Fence: scraping took time; write only if the lease is still ours.
-        if not await self._off_loop(self._hold_lease):
+        if not await self._hold_lease():
             res.leader = False
             res.reason = "lost_lease"
             return res
         try:
-            res.snapshot = await self._off_loop(self.gate.write_snapshot, res.states)
+            res.snapshot = await self._redis_call(self.gate.write_snapshot, res.states)
             res.wrote = True
             self.writes += 1
         except Exception as e:  # noqa: BLE001 - Redis down, script errors: never kill the loop
             res.reason = f"write_failed: {type(e).__name__}: {e}"
             log.warning("write_snapshot failed: %s: %s", type(e).__name__, e)
-        await self._off_loop(self._housekeep, res)
+        else:
+            none = not any(st.healthy for st in res.states)
+            if none and not self._none_healthy:
+                log.warning("no healthy engine: wrote a snapshot without one (clients bypass as degraded "
+                            "until an engine is back)")
+            elif self._none_healthy and not none:
+                log.info("healthy engines again: %d", res.snapshot.n_healthy)
+            self._none_healthy = none
+        await self._housekeep(res)
         return res
 
-    @staticmethod
-    async def _off_loop(fn: Any, *args: Any) -> Any:
+    async def _redis_call(self, fn: Any, *args: Any) -> Any:
         """Run one of the tick's Redis calls (synchronous redis-py: the lease, the snapshot
-        write, housekeeping) in a worker thread, so a poller embedded in an application's event
-        loop (``arun``, the bench) does not stop that loop for a Redis round trip, or for up to
-        ``redis_timeout_s`` when Redis stalls. The calls of one tick still run one after another."""
-        return await asyncio.to_thread(fn, *args)
-
-    def _housekeep(self, res: TickResult) -> None:
+        write, housekeeping) on the poller's own call threads, so a poller embedded in an
+        application's event loop (``arun``, the bench) does not stop that loop for a Redis round
+        trip, and waits for it at most ``redis_call_timeout_s``: a call that does not answer by
+        then raises ``redis.exceptions.TimeoutError`` (a failed Redis call) and is left to its
+        thread. The calls of one tick run one after another (the lease keep-alive beside them)."""
+        fut = self._calls.submit(fn, *args)
         try:
-            res.housekeep = self.gate.housekeep(limit=self.housekeep_limit)
+            return await asyncio.wait_for(asyncio.wrap_future(fut), self.redis_call_timeout_s)
+        except asyncio.TimeoutError:
+            fut.cancel()
+            raise RedisTimeoutError(f"{getattr(fn, '__name__', 'redis call')} did not return within "
+                                    f"{self.redis_call_timeout_s:.2f}s") from None
+
+    def _housekeep_redis(self) -> Any:
+        return self.gate.housekeep(limit=self.housekeep_limit)
+
+    async def _housekeep(self, res: TickResult) -> None:
+        try:
+            res.housekeep = await self._redis_call(self._housekeep_redis)
         except Exception as e:  # noqa: BLE001 - Redis down, script errors: next tick retries
             log.warning("housekeep failed: %s: %s", type(e).__name__, e)
 
@@ -536,7 +739,7 @@ class Poller:
                         delay = 0
                     await self._sleep(delay)
             finally:
-                self.release()
+                await self._arelease()
 
     async def _sleep(self, delay: float) -> None:
         """Sleep up to ``delay`` seconds, waking early when :meth:`stop` is called."""
@@ -558,9 +761,10 @@ class Poller:
     def status(self) -> dict:
         last = self.last
         return {
-            "identity": self.identity, "leader": self.is_leader, "ticks": self.ticks,
+            "identity": self.identity, "leader": self.holds_lease, "ticks": self.ticks,
             "writes": self.writes, "leader_changes": self.leader_changes,
             "scrape_errors": self.scrape_errors, "scrapes_bridged": self.scrapes_bridged,
             "last_reason": last.reason if last else None,
             "last_errors": last.errors if last else {},
+            "knobs": dict(self.knobs),
         }

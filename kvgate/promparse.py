@@ -24,6 +24,7 @@ Decisions (see docs/poller.md, "Metrics parsing"):
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -82,6 +83,10 @@ _WANTED = frozenset({S_CAPACITY, S_USED, S_USAGE, S_RUNNING, S_QUEUED, S_HIT_RAT
                      V_PREFILL_TOKENS, SIM_PREFILL_S, SIM_PREFILL_TOKENS})
 
 
+# where a sample line's metric name ends: its labels, or the blank before its value
+_NAME_END = re.compile(r"[{\s]")
+
+
 def _wanted_lines(text: str) -> str:
     """The lines of a Prometheus body that carry (or describe) a sample parse_metrics reads.
 
@@ -93,18 +98,20 @@ def _wanted_lines(text: str) -> str:
 
 def select_lines(text: str, names: frozenset[str] | set[str]) -> str:
     """The sample lines of ``text`` whose name is in ``names``, with the ``# HELP`` / ``# TYPE``
-    lines of their families (a counter's family may be named without ``_total``). A sample
-    line's name ends at ``{`` or at the first space."""
+    lines of their families (a counter's family may be named without ``_total``). As in the
+    text format (and prometheus_client's parser), blanks before a line are ignored, and a
+    sample line's name ends at ``{`` or at the first blank (space or tab)."""
     families = set(names) | {n[:-len("_total")] for n in names if n.endswith("_total")}
     keep = []
     for line in text.splitlines():
+        line = line.strip()
         if line.startswith("#"):
             parts = line.split(None, 3)
             if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2] in families:
                 keep.append(line)
             continue
-        brace, space = line.find("{"), line.find(" ")
-        end = brace if brace != -1 and (space == -1 or brace < space) else space
+        m = _NAME_END.search(line)
+        end = m.start() if m else -1
         if end > 0 and line[:end] in names:
             keep.append(line)
     return "\n".join(keep) + "\n" if keep else ""

@@ -297,6 +297,8 @@ def test_paused_leader_loses_the_lease_and_does_not_take_it_back(redis_url, engi
         wait_until(lambda: "standby" in logs[leader].leadership(leader), timeout=20,
                    what="the resumed leader to notice it lost the lease")
         # and the new leader keeps writing: two more of its snapshots after that
+        # the new leader may not have written yet: wait for its first snapshot before reading it
+        wait_until(lambda: r.hget(gate.key("snapshot"), "ts_ms") is not None, timeout=10)
         ts = int(r.hget(gate.key("snapshot"), "ts_ms"))
         wait_until(lambda: int(r.hget(gate.key("snapshot"), "ts_ms")) > ts, timeout=10)
         ts = int(r.hget(gate.key("snapshot"), "ts_ms"))

@@ -1,6 +1,7 @@
 """The poller against a real redis-server and real loopback HTTP engines / routers."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -256,7 +257,7 @@ def test_epoch_bumps_only_when_healthy_set_changes(redis_url, servers):
     assert gate.status()["epoch"] == up.epoch
 
 
-def test_no_snapshot_when_router_unreachable_or_all_engines_down(redis_url, servers):
+def test_no_snapshot_when_router_unreachable_and_an_empty_one_when_all_engines_down(redis_url, servers):
     e = servers(sglang_metrics(10_000, 100))
     router = servers()
     router.route("GET", "/workers", js({"workers": [{"url": e.url, "is_healthy": True}]}))
@@ -267,13 +268,16 @@ def test_no_snapshot_when_router_unreachable_or_all_engines_down(redis_url, serv
     router.route("GET", "/workers", html(502))
     r = p.tick()
     assert not r.wrote and r.reason == "router_unreachable" and r.discovery_error
+    assert gate.redis.hget(gate.key("snapshot"), "ts_ms") == ts  # nothing known: nothing written
     router.route("GET", "/workers", js({"workers": [{"url": e.url, "is_healthy": True}]}))
     e.route("GET", "/metrics", html(500))
     assert p.tick().wrote  # its first failed scrape: the last numbers stand in
-    ts = gate.redis.hget(gate.key("snapshot"), "ts_ms")
+    # the second in a row: no engine is healthy. That is written (the healthy set changed: the
+    # epoch bumps), and a snapshot without a healthy engine reads as not fresh: clients degrade
     r = p.tick()
-    assert not r.wrote and r.reason == "no_healthy_engine"
-    assert gate.redis.hget(gate.key("snapshot"), "ts_ms") == ts  # nothing written: it goes stale
+    assert r.wrote and r.reason == "no_healthy_engine"
+    assert r.snapshot.n_healthy == 0 and r.snapshot.capacity_tokens == 0 and r.snapshot.bumped
+    assert gate.status()["degraded"]
 
 
 def test_only_the_leader_writes_and_standby_takes_over(redis_url, servers):
@@ -536,3 +540,311 @@ def test_what_counts_as_unhealthy_at_once(redis_url, servers):
 def test_unhealthy_after_must_be_a_positive_int(redis_url, bad):
     with pytest.raises(ValueError, match="unhealthy_after"):
         Poller(make_gate(redis_url), engines=["http://127.0.0.1:1"], unhealthy_after=bad)
+
+
+# -- review fixes ---------------------------------------------------------------------------------
+def test_epoch_bumps_when_every_engine_goes_down_and_comes_back(redis_url, servers):
+    """SPEC 3: the epoch bumps whenever the healthy set changes, also through the empty set.
+    Engines that all went down and came back restarted with an empty cache: the ownership
+    windows of the old engine set must end."""
+    e = servers(sglang_metrics(10_000, 100))  # with admission on, a retained turn opens a window
+    gate = make_gate(redis_url)
+    p = Poller(gate, engines=[e.url])
+    first = p.tick().snapshot
+    lease = gate.acquire("s1", prompt_tokens=100, max_new_tokens=10, retain_session=True)
+    assert lease.outcome == "admit"
+    lease.release()
+    assert gate.status()["windows"] == 1
+    e.route("GET", "/metrics", html(502))
+    for _ in range(p.unhealthy_after):
+        r = p.tick()
+    assert r.wrote and r.snapshot.n_healthy == 0 and r.snapshot.epoch > first.epoch
+    # what reads a snapshot without a healthy engine: clients, status, the scripts
+    down = gate.acquire("s2", prompt_tokens=100, max_new_tokens=10)
+    assert (down.outcome, down.reason) == ("bypass", "degraded")
+    down.release()
+    st = gate.status()
+    assert st["degraded"] and st["capacity"] == 0 and st["ceiling"] == 0
+    assert [x["healthy"] for x in st["engines"]] == [0]
+    from kvgate.status import render_status
+    from rich.console import Console
+    with open(os.devnull, "w") as sink:
+        Console(width=160, file=sink).print(render_status(st))  # renders without an engine to count
+    assert r.housekeep is not None  # housekeeping ran on the same tick, on the empty snapshot
+    assert gate.step_metrics()["agentic_kv/budget/degraded"] == 1.0
+    e.route("GET", "/metrics", text(sglang_metrics(10_000, 100)))
+    back = p.tick().snapshot
+    assert back.n_healthy == 1 and back.bumped and back.epoch > first.epoch
+    assert not gate.status()["degraded"]
+    again = gate.acquire("s1", prompt_tokens=100, max_new_tokens=10, retain_session=True)
+    assert again.reason != "reserved_session"  # its window belonged to the engines that went down
+    again.release()
+
+
+def test_a_router_listing_no_engine_is_an_empty_healthy_set(redis_url, servers):
+    e = servers(sglang_metrics(10_000, 100))
+    router = servers()
+    router.route("GET", "/workers", js({"workers": [{"url": e.url, "is_healthy": True}]}))
+    gate = make_gate(redis_url)
+    p = Poller(gate, router=router.url)
+    first = p.tick().snapshot
+    router.route("GET", "/workers", js({"workers": []}))
+    r = p.tick()
+    assert r.wrote and r.reason == "no_engines" and r.snapshot.n_healthy == 0 and r.snapshot.bumped
+    st = gate.status()
+    assert st["degraded"] and st["engines"] == [] and gate.engine_urls() == []
+    router.route("GET", "/workers", js({"workers": [{"url": e.url, "is_healthy": True}]}))
+    back = p.tick().snapshot
+    assert back.n_healthy == 1 and back.epoch > r.snapshot.epoch > first.epoch
+
+
+def test_a_reelected_leader_does_not_reuse_its_previous_terms_numbers(redis_url, servers, monkeypatch):
+    import kvgate.poller
+
+    monkeypatch.setattr(kvgate.poller, "PREFILL_LOAD_WINDOW_S", 0.0)  # a load from every interval
+    body = read_data("vllm_single_metrics.txt")
+    e = servers(with_prefill(body, 2.0, 10_000))
+    a = Poller(make_gate(redis_url), engines=[e.url], identity="A")
+    b = Poller(make_gate(redis_url), engines=[e.url], identity="B")
+    assert a.tick().wrote and a.leader_identity() == "A"
+    a.release()
+    assert b.tick().wrote and not a.tick().leader  # A stands by while B leads
+    # B's term: the engine keeps computing; A sees none of it
+    e.route("GET", "/metrics", text(with_prefill(body, 50.0, 20_000)))
+    assert b.tick().wrote
+    b.release()
+    r = a.tick()  # A leads again
+    assert r.wrote and a.leader_identity() == "A"
+    st = r.states[0]
+    # first sight in this term: no load averaged over the standby time, no cost smoothed with
+    # one measured a term ago (cumulative ratio, as for a poller that just started)
+    assert st.prefill_load is None and a.prefill_load_pending
+    assert st.prefill_s_per_token == pytest.approx(50.0 / 20_000)
+    # and a failed scrape right after is not bridged with numbers of the previous term
+    a.release()
+    assert b.tick().wrote
+    e.route("GET", "/metrics", html(502))
+    b.release()
+    r = a.tick()
+    assert r.leader and {s.engine_id: s.healthy for s in r.states} == {e.url: False}
+
+
+def test_pollers_keep_writing_when_scraping_outlasts_the_lease(redis_url, servers):
+    """concurrency 1 and hanging engines: scraping takes several request deadlines, longer
+    than the lease. The leader keeps its lease alive while it scrapes, so the two pollers do
+    not take the lease from each other forever with no write."""
+    good = servers(sglang_metrics(10_000, 100))
+    hung = []
+    for _ in range(4):
+        h = servers()
+        h.route("GET", "/metrics", hang(30))
+        hung.append(h)
+    engines = [good.url] + [h.url for h in hung]
+    kw = dict(engines=engines, concurrency=1, http_timeout_s=0.3, leader_ttl_s=0.9, interval_s=0.2)
+    a = Poller(make_gate(redis_url), identity="A", **kw)
+    b = Poller(make_gate(redis_url), identity="B", **kw)
+    threads = [threading.Thread(target=p.run, daemon=True) for p in (a, b)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: a.writes + b.writes >= 2, timeout=20, what="a snapshot write")
+    finally:
+        a.stop()
+        b.stop()
+        for t in threads:
+            t.join(timeout=20)
+    assert not any(t.is_alive() for t in threads)
+
+
+class _BlockingLock:
+    """A redis-py Lock stand-in whose every call blocks until the test lets it go."""
+
+    def __init__(self, gate: threading.Event, calls: list):
+        from types import SimpleNamespace
+
+        self.local = SimpleNamespace(token=None)
+        self._gate, self._calls = gate, calls
+
+    def _block(self, what: str) -> None:
+        self._calls.append(what)
+        self._gate.wait(60)
+
+    def acquire(self, *a, **kw):
+        self._block("acquire")
+        return False
+
+    def extend(self, *a, **kw):
+        self._block("extend")
+        return True
+
+    def release(self):
+        self._block("release")
+
+
+class _BlockingRedis:
+    """A caller-supplied redis client without a socket timeout, on a Redis that stopped
+    answering: every call blocks."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.calls: list[str] = []
+
+    def lock(self, name, **kw):
+        return _BlockingLock(self.gate, self.calls)
+
+    def get(self, *a, **kw):
+        self.calls.append("get")
+        self.gate.wait(60)
+
+
+def _in_thread(fn, timeout: float = 20.0):
+    """Run fn on a daemon thread; (finished, result). The join's timeout is a bound far above
+    the poller's own (a hang shows as a thread still running), not a claim about speed."""
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", fn()), daemon=True)
+    t.start()
+    t.join(timeout)
+    return not t.is_alive(), out.get("r")
+
+
+def test_a_redis_call_that_never_answers_does_not_hang_the_tick(redis_url, servers):
+    e = servers(sglang_metrics(10_000, 100))
+    stub = _BlockingRedis()
+    p = Poller(make_gate(redis_url), engines=[e.url], redis_client=stub, leader_ttl_s=1.5)
+    try:
+        done, r = _in_thread(p.tick)
+        assert done, "the tick hung on a Redis call"
+        assert not r.leader and not r.wrote and r.reason == "standby"  # a failed Redis call
+        assert stub.calls == ["acquire"]
+        done, r = _in_thread(p.tick)  # the stuck call still holds its thread: the next tick is bounded too
+        assert done and not r.leader
+        done, _ = _in_thread(p.release)
+        assert done
+        done, who = _in_thread(p.leader_identity)
+        assert done and who is None
+    finally:
+        stub.gate.set()
+
+
+def test_a_snapshot_write_that_never_returns_does_not_hang_the_tick(redis_url, servers):
+    e = servers(sglang_metrics(10_000, 100))
+    gate = make_gate(redis_url)
+    release = threading.Event()
+    real_write = gate.write_snapshot
+
+    def stuck_write(states):
+        release.wait(60)
+        return real_write(states)
+
+    gate.write_snapshot = stuck_write
+    p = Poller(gate, engines=[e.url], leader_ttl_s=1.5)
+    try:
+        done, r = _in_thread(p.tick)
+        assert done, "the tick hung on the snapshot write"
+        assert r.leader and not r.wrote and r.reason.startswith("write_failed") and "TimeoutError" in r.reason
+    finally:
+        release.set()
+    gate.write_snapshot = real_write
+    assert wait_until(lambda: p.tick().wrote, timeout=20)  # and the poller goes on
+
+
+def test_the_poller_s_redis_calls_do_not_queue_behind_the_default_executor(redis_url, servers):
+    """The default executor also runs asyncio's getaddrinfo (httpx / anyio resolve names there):
+    slow DNS for a down engine fills it. The lease must not wait behind it."""
+    import asyncio
+    import concurrent.futures
+
+    e = servers(sglang_metrics(10_000, 100))
+    p = Poller(make_gate(redis_url), engines=[e.url], leader_ttl_s=1.5)
+    blocker = threading.Event()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        loop.set_default_executor(pool)
+        stuck = loop.run_in_executor(None, blocker.wait, 60)  # a getaddrinfo that does not return
+        try:
+            return await p.atick()
+        finally:
+            blocker.set()
+            await stuck
+
+    done, r = _in_thread(lambda: asyncio.run(main()))
+    blocker.set()
+    assert done, "the tick waited for the default executor"
+    assert r.leader
+
+
+def test_leader_gauge_drops_when_the_lease_runs_out_between_ticks(redis_url, servers, monkeypatch):
+    """kvgate_poller_leader reads Poller.status()["leader"]: a poller that stalled past its
+    lease's TTL must not keep saying it leads until its next tick."""
+    import kvgate.poller
+
+    e = servers(sglang_metrics(10_000, 100))
+    p = Poller(make_gate(redis_url), engines=[e.url], leader_ttl_s=2.0)
+    now = [1000.0]
+    monkeypatch.setattr(kvgate.poller, "_monotonic", lambda: now[0])
+    assert p.tick().wrote and p.status()["leader"]
+    now[0] += 1.9
+    assert p.status()["leader"]
+    now[0] += 0.2  # the TTL ran out on the poller's own clock: the lease may be another's now
+    assert not p.status()["leader"]
+
+
+def test_poller_refuses_an_interval_not_below_the_staleness(redis_url):
+    gate = make_gate(redis_url, staleness_s=6.0)
+    with pytest.raises(ValueError, match="staleness_s"):
+        Poller(gate, engines=["http://127.0.0.1:1"], interval_s=6.0, leader_ttl_s=20.0)
+    Poller(gate, engines=["http://127.0.0.1:1"], interval_s=5.0, leader_ttl_s=20.0)
+
+
+def test_poller_logs_the_gate_knobs_it_writes_with(redis_url, caplog):
+    import logging
+
+    gate = make_gate(redis_url, headroom=0.8, staleness_s=9.0)
+    with caplog.at_level(logging.INFO, logger="kvgate.poller"):
+        p = Poller(gate, engines=["http://127.0.0.1:1"])
+    assert p.status()["knobs"]["headroom"] == 0.8
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "headroom=0.8" in text and "staleness_s=9.0" in text
+
+
+def _poller_args(monkeypatch, env: dict, *argv: str):
+    """The Poller the CLI builds from env + flags (the dry run replaced by a capture)."""
+    import kvgate.cli as cli
+
+    for k in [k for k in os.environ if k.startswith("KVGATE_")]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    seen = {}
+    monkeypatch.setattr(cli, "_dry_run", lambda poller: seen.setdefault("p", poller) and 0)
+    rc = cli.main(["poller", *argv, "--dry-run"])
+    return rc, seen.get("p")
+
+
+def test_poller_flags_read_kvgate_poller_environment(redis_url, monkeypatch):
+    env = {"KVGATE_REDIS_URL": redis_url, "KVGATE_GATE": "envg", "KVGATE_POLLER_INTERVAL_S": "0.5",
+           "KVGATE_POLLER_HTTP_TIMEOUT_S": "1.5", "KVGATE_POLLER_CONCURRENCY": "4",
+           "KVGATE_POLLER_UNHEALTHY_AFTER": "3", "KVGATE_POLLER_HOUSEKEEP_LIMIT": "7",
+           "KVGATE_POLLER_MAX_BODY_BYTES": "65536", "KVGATE_POLLER_LEADER_TTL_S": "9"}
+    rc, p = _poller_args(monkeypatch, env, "--engine", "http://127.0.0.1:1")
+    assert rc == 0
+    assert (p.interval_s, p.http_timeout_s, p.concurrency, p.unhealthy_after, p.housekeep_limit,
+            p.max_body_bytes, p.leader_ttl_s) == (0.5, 1.5, 4, 3, 7, 65536, 9.0)
+    # a flag beats the environment
+    rc, p = _poller_args(monkeypatch, env, "--engine", "http://127.0.0.1:1", "--concurrency", "2")
+    assert rc == 0 and p.concurrency == 2 and p.interval_s == 0.5
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"KVGATE_POLLER_INTERVAL_S": "soon"}, "KVGATE_POLLER_INTERVAL_S"),
+    ({"KVGATE_POLLER_CONCURRENCY": "0"}, "KVGATE_POLLER_CONCURRENCY"),
+    ({"KVGATE_POLLER_INTERVAL_S": "10"}, "staleness_s"),
+])
+def test_bad_poller_environment_is_a_clear_error(redis_url, monkeypatch, capsys, env, needle):
+    env = {"KVGATE_REDIS_URL": redis_url, "KVGATE_GATE": "envg", "KVGATE_POLLER_LEADER_TTL_S": "30", **env}
+    with pytest.raises(SystemExit) as ei:
+        _poller_args(monkeypatch, env, "--engine", "http://127.0.0.1:1")
+    assert ei.value.code == 2
+    assert needle in capsys.readouterr().err

@@ -200,3 +200,30 @@ def test_junk_in_metrics_the_poller_does_not_read_is_ignored_but_junk_in_its_own
         promparse.parse_metrics(good.replace("0.5", "zero point five"))
     with pytest.raises(promparse.MetricsParseError, match="not Prometheus text"):
         promparse.parse_metrics("<html>\n" + good)
+
+
+@pytest.mark.parametrize("sep", ["\t", "  ", " \t"])
+@pytest.mark.parametrize("indent", ["", "  ", "\t"])
+def test_tab_separated_and_indented_samples_are_read(sep, indent):
+    # the text format allows tabs between name and value, and blanks before a line; the full
+    # parser accepts both, so the cut-down body the poller parses must keep those lines too
+    from kvgate import promparse
+
+    body = (f"{indent}# TYPE sglang:max_total_num_tokens gauge\n"
+            f"{indent}sglang:max_total_num_tokens{sep}1000\n"
+            f"{indent}sglang:num_used_tokens{{tp_rank=\"0\"}}{sep}950\n"
+            f"{indent}sglang:token_usage{sep}0.95\n")
+    assert promparse.select_lines(body, {"sglang:token_usage"}).strip() == f"sglang:token_usage{sep}0.95".strip()
+    m = promparse.parse_metrics(body)
+    (r,) = m.ranks
+    assert (r.capacity_tokens, r.used_tokens, r.usage) == (1000, 950, pytest.approx(0.95))
+    assert m == promparse._parse_samples(promparse._read_samples(body))
+
+
+def test_tab_separated_usage_next_to_a_space_separated_capacity():
+    # only the usage line uses a tab: it must not be cut away (usage would read as used/capacity
+    # or None, and the snapshot would understate the pressure)
+    from kvgate import promparse
+
+    body = "sglang:max_total_num_tokens 1000\nsglang:num_used_tokens 100\nsglang:token_usage\t0.95\n"
+    assert promparse.parse_metrics(body).ranks[0].usage == pytest.approx(0.95)
