@@ -351,3 +351,13 @@ def test_real_engines_give_the_report_their_block_size(tmp_path, capsys):
         assert rc == 0, out
         data = json.loads((out_dir / "bench.json").read_text())
         assert data["block_size"] == want
+
+
+def test_a_snapshot_interval_past_the_staleness_bound_is_refused_before_running():
+    # the poller would refuse it when the first gate policy starts, after the others ran
+    err = bench_cli.check_args(["--snapshot-interval", "10", "--policies", "none,kvgate"])
+    assert err and "--snapshot-interval" in err and "staleness_s" in err
+    err = bench_cli.check_args(["--snapshot-interval", "2", "--policies", "none,kvgate[staleness_s=1]"])
+    assert err and "kvgate[staleness_s=1]" in err
+    assert bench_cli.check_args(["--snapshot-interval", "2", "--policies", "none,kvgate"]) is None
+    assert bench_cli.check_args(["--snapshot-interval", "10", "--policies", "none,cap-2"]) is None

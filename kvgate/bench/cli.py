@@ -772,7 +772,12 @@ def _prepare(args: argparse.Namespace, probe: bool) -> tuple:
     base_cfg = base_gate_config(args)  # validated even when no gate policy runs: bad flags are errors
     for p in policies:  # a policy's own knobs are checked now, not when its turn comes
         if p.kind == "gate":
-            scaled_gate_config(base_cfg, p, time_scale)
+            cfg = scaled_gate_config(base_cfg, p, time_scale)
+            # the poller refuses an interval at or past the staleness bound (every snapshot
+            # would read stale before the next one and every turn would bypass as degraded)
+            if args.snapshot_interval >= cfg.staleness_s:
+                raise ValueError(f"--snapshot-interval ({args.snapshot_interval:g} s) must be below the "
+                                 f"staleness_s of policy {p.name} ({cfg.staleness_s:g} s)")
     if probe:
         if args.engine:
             env = RealEnv(args.engine_kind, args.engine, args.router, args.model)

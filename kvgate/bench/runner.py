@@ -368,7 +368,10 @@ async def _start_poller(redis_url: str, gate_name: str, cfg: Any, client: Engine
     poller = Poller(sync_gate, engines=list(client.engine_urls), interval_s=interval_s,
                     leader_ttl_s=max(5.0, 10 * interval_s))
     first = await poller.atick()
-    if not getattr(first, "wrote", False):
+    snap = getattr(first, "snapshot", None)
+    # a poller writes an empty healthy set too (the epoch must see it); the bench's feeder
+    # reads /kvgate/usage itself, so it takes over unless the poller saw a healthy engine
+    if not getattr(first, "wrote", False) or snap is None or getattr(snap, "n_healthy", 0) == 0:
         poller.release()
         with contextlib.suppress(Exception):
             sync_gate.close()
