@@ -34,5 +34,5 @@ def normalize_base_url(url: str) -> str:
     try:
         parts.port  # noqa: B018 - validates the port
     except ValueError as e:
-        raise ValueError(f"engine URL has a bad port: {url!r}") from e
+        raise ValueError(f"engine URL has a bad port ({e}): {url!r}") from e
     return f"{parts.scheme}://{parts.netloc.lower()}{parts.path}".rstrip("/")

@@ -26,7 +26,8 @@ from ..config import parse_value
 from .engines import EngineClient, make_client
 from .host import describe as describe_host
 from .host import summary_line as host_line
-from .report import checks, combine_rounds, render_table, round_lag_warnings, summarize, write_json, write_plots
+from .report import (SIM_FLAGS, WORKLOAD_FLAGS, checks, combine_rounds, render_table, round_lag_warnings, summarize,
+                     write_json, write_plots)
 from .runner import EngineEnv, Policy, parse_policies, run_policy, scaled_gate_config
 from .workload import (MAX_REQUEST_TOKENS, VOCAB_DEFAULT, ToolLatency, Workload, WorkloadSpec, generate, load_trace,
                        parse_range)
@@ -297,6 +298,11 @@ class SimEnv(EngineEnv):
     def pool_tokens(self) -> int:
         return self.profile.kv_capacity_tokens * self.engines
 
+    @property
+    def block_size(self) -> int:
+        """The profile's KV block (page) size: re-prefill counts whole blocks only."""
+        return self.profile.block_size
+
     def request_limit(self) -> tuple[int, str]:
         """The most tokens (prompt + output) one request may hold on a simulated engine, and
         why: its context length, or its KV pool less one block (kvgate.sim.engine.validate)."""
@@ -553,23 +559,21 @@ PROBE_TIMEOUT_S = 5.0
 _OUT_FILES = ("bench.json",)
 _PLOT_FILES = ("hit_rate_over_time.png", "latency_by_turn.png")
 
-_TRACE_SHAPE_FLAGS = (("--sessions", "sessions"), ("--turns", "turns"), ("--first-prompt", "first_prompt"),
-                      ("--tool-result", "tool_result"), ("--output", "output"),
-                      ("--tool-fast-median", "tool_fast_median"), ("--tool-slow-median", "tool_slow_median"),
-                      ("--tool-slow-frac", "tool_slow_frac"), ("--tool-sigma", "tool_sigma"),
-                      ("--tool-max", "tool_max"), ("--arrival-spread", "arrival_spread"))
+
+def _flag(dest: str) -> str:
+    """The command-line flag of argparse destination ``dest``."""
+    return "--" + dest.replace("_", "-")
 
 
 def _check_flag_combinations(args: argparse.Namespace) -> None:
     """Flags a run would ignore are errors, not silently dropped."""
     if args.trace:
-        given = [flag for flag, dest in _TRACE_SHAPE_FLAGS if getattr(args, dest, None) is not None]
+        given = [_flag(dest) for dest, _ in WORKLOAD_FLAGS if getattr(args, dest, None) is not None]
         if given:
             raise ValueError(f"{', '.join(given)} cannot be used with --trace: the trace's lines give its "
                              f"sessions, turns, token counts and gaps")
     if args.engine:
-        given = [flag for flag, dest in (("--profile", "profile"), ("--sim-engines", "sim_engines"),
-                                         ("--kv-capacity", "kv_capacity")) if getattr(args, dest) is not None]
+        given = [_flag(dest) for dest, _ in SIM_FLAGS if getattr(args, dest) is not None]
         if args.sim_prefill_metrics:
             given.append("--sim-prefill-metrics")
         if given:
@@ -584,19 +588,18 @@ def _check_flag_combinations(args: argparse.Namespace) -> None:
 
 
 def _check_http_url(flag: str, url: str) -> None:
-    """ValueError unless ``url`` is http(s)://host[:port][/path] with a port in range."""
+    """ValueError unless ``url`` passes the project's one engine-URL rule
+    (``kvgate._urls.normalize_base_url``: http(s), a host, a port in range, no credentials,
+    query or control characters) and names a port an engine could listen on."""
     from urllib.parse import urlsplit
 
+    from kvgate._urls import normalize_base_url
+
     try:
-        parts = urlsplit(url)
-        port = parts.port  # ValueError when out of range or not a number
+        normalize_base_url(url)
     except ValueError as e:
         raise ValueError(f"{flag} {url}: {e}") from None
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"{flag} {url}: the URL must start with http:// or https://")
-    if not parts.hostname:
-        raise ValueError(f"{flag} {url}: the URL names no host")
-    if port == 0:
+    if urlsplit(url.strip()).port == 0:
         raise ValueError(f"{flag} {url}: port 0 is not a port an engine listens on")
 
 
@@ -862,7 +865,7 @@ def run(args: argparse.Namespace) -> int:
 
     # the engines' block size, where the bench knows it (the simulator's profile; a real
     # engine's when its env records one): re-prefill then leaves out the partial blocks
-    block = getattr(env, "block_size", None) or getattr(getattr(env, "profile", None), "block_size", None)
+    block = getattr(env, "block_size", None)
     summaries = [summarize(results, workload, block_size=block) for results in rounds]
     summary = combine_rounds(summaries)
     render_table(summary, console, scenario=f"trace {args.trace}" if args.trace else args.scenario)

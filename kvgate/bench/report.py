@@ -360,15 +360,15 @@ def checks(summary: dict, scenario: str) -> list[tuple[str, bool | None, str]]:
     return out
 
 
-#: ``kvgate bench`` flags that set the workload (dest, the scenario's attribute, flag); an
+#: ``kvgate bench`` flags that set the workload (argparse dest, the scenario's attribute); an
 #: attribute ``tool.x`` is the scenario's tool latency's ``x``
-_WORKLOAD_FLAGS = (("sessions", "sessions"), ("turns", "turns"), ("first_prompt", "first_prompt"),
+WORKLOAD_FLAGS = (("sessions", "sessions"), ("turns", "turns"), ("first_prompt", "first_prompt"),
                    ("tool_result", "tool_result"), ("output", "output"),
                    ("tool_fast_median", "tool.fast_median_s"), ("tool_slow_median", "tool.slow_median_s"),
                    ("tool_slow_frac", "tool.slow_frac"), ("tool_sigma", "tool.sigma"), ("tool_max", "tool.max_s"),
                    ("arrival_spread", "arrival_spread_s"))
 #: the simulator's (ignored with --engine)
-_SIM_FLAGS = (("profile", "profile"), ("sim_engines", "engines"), ("kv_capacity", "kv_capacity"))
+SIM_FLAGS = (("profile", "profile"), ("sim_engines", "engines"), ("kv_capacity", "kv_capacity"))
 _RANGE_FLAGS = {"turns", "first_prompt", "tool_result", "output"}
 
 
@@ -398,9 +398,9 @@ def scenario_changes(args: Any, sc: Any, *, time_scale: float, caps_run: Sequenc
     if getattr(args, "trace", None):
         out.append(f"--trace {args.trace}")
     else:
-        out += [f"--{d.replace('_', '-')} {getattr(args, d)}" for d, a in _WORKLOAD_FLAGS if differs(d, a)]
+        out += [f"--{d.replace('_', '-')} {getattr(args, d)}" for d, a in WORKLOAD_FLAGS if differs(d, a)]
     if not engine:
-        out += [f"--{d.replace('_', '-')} {getattr(args, d)}" for d, a in _SIM_FLAGS if differs(d, a)]
+        out += [f"--{d.replace('_', '-')} {getattr(args, d)}" for d, a in SIM_FLAGS if differs(d, a)]
         if getattr(args, "sim_prefill_metrics", False):
             out.append("--sim-prefill-metrics")
     if time_scale != (1.0 if engine else sc.time_scale):
