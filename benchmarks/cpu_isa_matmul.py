@@ -6,7 +6,7 @@ prefilled the heavy dummy model at anything from 0.07 to 3.6 ms per token
 explain on one box: each level runs in its own process with ``ONEDNN_MAX_CPU_ISA`` set, side by
 side, and is reported as a ratio to this CPU's own best. Needs PyTorch (the vLLM venv has it):
 
-    /root/.cache/kvgate-vllm-venv/bin/python benchmarks/cpu_isa_matmul.py
+    .venv-vllm/bin/python benchmarks/cpu_isa_matmul.py
 """
 from __future__ import annotations
 

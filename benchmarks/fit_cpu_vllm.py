@@ -1,8 +1,8 @@
 """Fit the simulator's cost profile to the real CPU vLLM engine (run under the vLLM venv).
 
-    /root/.cache/kvgate-vllm-venv/bin/python benchmarks/fit_cpu_vllm.py            # measure both, fit, write
-    /root/.cache/kvgate-vllm-venv/bin/python benchmarks/fit_cpu_vllm.py --models tiny --no-write
-    /root/.cache/kvgate-vllm-venv/bin/python benchmarks/fit_cpu_vllm.py --from-raw raw.json
+    .venv-vllm/bin/python benchmarks/fit_cpu_vllm.py            # measure both, fit, write
+    .venv-vllm/bin/python benchmarks/fit_cpu_vllm.py --models tiny --no-write
+    .venv-vllm/bin/python benchmarks/fit_cpu_vllm.py --from-raw raw.json
 
 Method (each model measured in its own child process, EngineCore in-process with
 VLLM_ENABLE_V1_MULTIPROCESSING=0, so no IPC or HTTP time is counted; dummy weights, greedy):

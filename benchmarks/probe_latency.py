@@ -1,6 +1,6 @@
 """Residency-probe latency against a real CPU vLLM engine (run under the vLLM venv).
 
-    /root/.cache/kvgate-vllm-venv/bin/python benchmarks/probe_latency.py [--n 200] [--lengths 128,512,2048,8192]
+    .venv-vllm/bin/python benchmarks/probe_latency.py [--n 200] [--lengths 128,512,2048,8192]
 
 Three ways to ask the same question ("how many leading blocks of this prompt are cached?"):
 

