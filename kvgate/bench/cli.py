@@ -53,7 +53,7 @@ class Scenario:
     tool: ToolLatency = ToolLatency()
     vocab: int | None = None  # token ids are drawn below this (None: the engine's, capped)
     # knobs of a second full-gate policy in the default list, sized to this scenario's rollout
-    # step (docs/benchmarks.md#step-sized); None: the default list has `kvgate` alone
+    # step (docs/benchmark-runs.md#step-sized); None: the default list has `kvgate` alone
     step_knobs: str | None = None
 
 
