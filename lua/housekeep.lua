@@ -1,7 +1,7 @@
 --[[
   housekeep.lua: bounded maintenance, run by the poller every tick and by anyone who
   wants it: reclaims expired leases (TTL), ends expired idle windows, drops dead waiters,
-  trims an over-committed ledger (youngest windows first), then advances the FIFO.
+  trims an over-committed ledger (idle windows longest idle first), then advances the FIFO.
 
   KEYS: the 14 gate keys (includes/common.lua).
   ARGV[1] now ms or ""; ARGV[2] JSON: limit (max items of each kind), plus the knobs of

@@ -2,7 +2,7 @@
   release.lua: an admitted turn is done; give back its lease (idempotent per ticket).
   A lease held under an ownership window turns the window idle for idle_grace (still
   charged; a window revoked while held ends instead); any other lease returns its tokens to
-  the ledger. Then an over-committed ledger is trimmed (youngest windows first) and the
+  the ledger. Then an over-committed ledger is trimmed (idle windows longest idle first) and the
   FIFO advances.
 
   KEYS: the 14 gate keys (includes/common.lua).

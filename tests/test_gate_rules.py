@@ -4,6 +4,7 @@ needs to move it; waits that involve other threads use the real clock."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -1004,23 +1005,49 @@ def test_residency_alone_opens_windows_only_under_pressure(backend, clock):
     assert ledger(g) == 0 and not g.redis.hexists(g.key("windows"), "s")
 
 
-def test_over_committed_ledger_revokes_the_youngest_windows_first(backend, clock):
+def test_over_committed_ledger_revokes_the_longest_idle_windows_first(backend, clock):
+    # four windows opened a (oldest), b, c, d (youngest); released c, then d, then b: the
+    # longest idle (c) is neither the youngest (d) nor the first by name (b)
     g = mkgate(backend, clock, headroom=1.0, idle_grace_s=60)
     g.write_snapshot(engines(cap=1000, usage=0.1))
-    for sid in ("old", "mid", "young"):  # three sessions, 300 tokens each: they fit
-        g.acquire(sid, prompt_tokens=300, max_new_tokens=0).release()
-    assert ledger(g) == 900
-    held = g.acquire("old", prompt_tokens=500, max_new_tokens=0)  # rule 5 grows: 1100 > 1000
-    assert held.reason == "reserved_session"
-    windows = {k.decode() for k in g.redis.hkeys(g.key("windows"))}
-    assert windows == {"old", "mid"}  # the youngest idle window ended at once
+    held = {sid: g.acquire(sid, prompt_tokens=200, max_new_tokens=0) for sid in ("a", "b", "c", "d")}
+    for sid in ("a", "c", "d", "b"):
+        held[sid].release()
+        clock.advance(1)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
     assert ledger(g) == 800
+    grow = g.acquire("a", prompt_tokens=500, max_new_tokens=0)  # rule 5 grows: 1100 > 1000
+    assert grow.reason == "reserved_session"
+    windows = {k.decode() for k in g.redis.hkeys(g.key("windows"))}
+    assert windows == {"a", "b", "d"}  # c, idle the longest, ended at once
+    assert ledger(g) == 900
     assert int(g.redis.hget(g.key("stats"), "window_revoked")) == 1
-    # a young session's next turn now waits behind the ceiling in the FIFO
-    r = script(g, "acquire", ticket="y2", session="young", need=400, probe=-2, retain=1)
+    # c's next turn now waits behind the ceiling in the FIFO
+    r = script(g, "acquire", ticket="c2", session="c", need=300, probe=-2, retain=1)
     assert (r["o"], r["r"]) == ("wait", "capacity_exhausted")
-    held.release()
-    script(g, "cancel", ticket="y2")
+    script(g, "cancel", ticket="c2")
+    # more growth: the next longest idle goes (d), not the youngest-named or the oldest
+    grow.release()
+    g.acquire("a", prompt_tokens=800, max_new_tokens=0).release()  # 800 + 400 > 1000
+    assert {k.decode() for k in g.redis.hkeys(g.key("windows"))} == {"a", "b"}
+    assert ledger(g) == 1000
+
+
+def test_trim_ends_idle_windows_before_marking_held_ones(backend, clock):
+    # the youngest window is held by a running turn: an idle older one is revoked instead
+    g = mkgate(backend, clock, headroom=1.0, idle_grace_s=60)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    for sid in ("a", "b"):
+        g.acquire(sid, prompt_tokens=300, max_new_tokens=0).release()
+    young = g.acquire("c", prompt_tokens=300, max_new_tokens=0)  # held
+    grow = g.acquire("a", prompt_tokens=500, max_new_tokens=0)  # 1100 > 1000
+    assert grow.reason == "reserved_session"
+    assert {k.decode() for k in g.redis.hkeys(g.key("windows"))} == {"a", "c"}  # b ended
+    assert "rv" not in json.loads(g.redis.hget(g.key("windows"), "c"))  # c is not marked
+    assert ledger(g) == 800
+    young.release()
+    grow.release()
+    assert ledger(g) == 800  # both idle, still charged
 
 
 def test_held_window_revoked_ends_at_release(backend, clock):
@@ -1039,12 +1066,14 @@ def test_held_window_revoked_ends_at_release(backend, clock):
 
 
 def test_overcommit_lets_windows_outgrow_the_pool_before_the_trim(backend, clock):
-    # overcommit 1.5: the growth that revokes the youngest above (1100 tokens of windows on a
+    # overcommit 1.5: the growth that revokes a window above (1100 tokens of windows on a
     # 1000-token pool) revokes nobody
     g = mkgate(backend, clock, headroom=1.0, idle_grace_s=60, overcommit=1.5)
     g.write_snapshot(engines(cap=1000, usage=0.1))
     for sid in ("old", "mid", "young"):
         g.acquire(sid, prompt_tokens=300, max_new_tokens=0).release()
+        clock.advance(1)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
     grow = g.acquire("old", prompt_tokens=500, max_new_tokens=0)
     assert grow.reason == "reserved_session"
     grow.release()
@@ -1055,9 +1084,9 @@ def test_overcommit_lets_windows_outgrow_the_pool_before_the_trim(backend, clock
     r = script(g, "acquire", ticket="n1", session="new", need=100, probe=-2, retain=1)
     assert (r["o"], r["r"]) == ("wait", "capacity_exhausted")
     script(g, "cancel", ticket="n1")
-    # past 1.5x the pool the youngest go, down to 1.5x the ceiling
+    # past 1.5x the pool the longest idle go (mid, released before young), down to 1.5x the ceiling
     g.acquire("old", prompt_tokens=1000, max_new_tokens=0).release()  # 1600 > 1500
-    assert {k.decode() for k in g.redis.hkeys(g.key("windows"))} == {"old", "mid"}
+    assert {k.decode() for k in g.redis.hkeys(g.key("windows"))} == {"old", "young"}
     assert ledger(g) == 1300
     assert int(g.redis.hget(g.key("stats"), "window_revoked")) == 1
 

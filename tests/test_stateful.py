@@ -313,7 +313,7 @@ class GateMachine(RuleBasedStateMachine):
         if self.cfg.idle_grace_s == 0:
             assert not idle, f"idle windows with idle_grace_s=0: {s.windows}"
         if s.window_order is not None:
-            # opening order of the live windows (the youngest are revoked first)
+            # opening order of the live windows (the oldest is never revoked; held windows go youngest first)
             assert set(s.window_order) == set(s.windows), (s.window_order, s.windows)
             for sess, w in s.windows.items():
                 assert s.window_order[sess] == w["id"], (sess, s.window_order[sess], w)
@@ -493,8 +493,8 @@ class GateMachine(RuleBasedStateMachine):
         if (self.cfg.admission and self.cfg.residency and post.window_order is not None
                 and post.fresh(self.now, int(self.cfg.staleness_s * 1000)) and limit >= len(pre.windows)):
             # an over-committed ledger (past overcommit x the engines' capacity: hysteresis) is
-            # trimmed, youngest windows first, down to overcommit x the ceiling; the oldest window
-            # always stays. So once trimming started, either what is left after the revoked
+            # trimmed (idle windows longest idle first, then held ones youngest first) down to
+            # overcommit x the ceiling; the oldest window always stays. So once trimming started, either what is left after the revoked
             # windows end fits that, or every window but the oldest is revoked
             cap = int(post.snap["capacity"])
             ceiling = int(int(cap * self.cfg.headroom) * self.cfg.overcommit)

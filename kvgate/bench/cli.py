@@ -69,7 +69,7 @@ _CPU_TOOL = ToolLatency(fast_median_s=0.2, slow_median_s=1.5, slow_frac=0.0,
 STEP_KNOBS = "max_wait_s=240,growth_reserve=2"
 
 # For an engine-bound pool (the heavier CPU model: a pool that holds two or three grown
-# sessions), windows may also outgrow the pool by 30 % before the youngest is revoked, as the
+# sessions), windows may also outgrow the pool by 30 % before any is revoked, as the
 # best cap's sessions do (docs/decisions.md#overcommit). Measured within 10 % of the best cap
 # on the slow, between and fast classes; not on the GPU scenarios, where it costs hit rate.
 ENGINE_BOUND_STEP_KNOBS = STEP_KNOBS + ",overcommit=1.3"

@@ -27,8 +27,8 @@
     KEYS[11] stats         HASH   counters of the current rollout step (drained per step)
     KEYS[12] totals        HASH   the same counters, never drained (Prometheus)
     KEYS[13] preempted     HASH   session -> number of preempted attempts
-    KEYS[14] window_order  ZSET   session -> its window's id (opening order; the youngest
-                                  windows are revoked first when the ledger is over-committed)
+    KEYS[14] window_order  ZSET   session -> its window's id (opening order: the oldest window
+                                  is never revoked; held windows are revoked youngest first)
   ARGV[1] = now in ms, or "" to use the Redis server clock (TIME).
   ARGV[2] = JSON object of named parameters (each script's header lists its fields).
 ]]

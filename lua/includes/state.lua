@@ -80,13 +80,15 @@ local function opens_window(retain, usage)
   return P.res == 1 and retain == 1 and (P.adm == 1 or usage >= P.hw)
 end
 
--- the ledger is over-committed (windows grew past the ceiling): revoke the youngest windows
--- first, bounded. An idle one ends now; a held one ends at its lease's release. The oldest
--- sessions keep their place, like a concurrency cap that adapts to real context sizes.
+-- the ledger is over-committed (windows grew past the ceiling): revoke windows, bounded.
+-- Idle windows go first, the longest idle first: a session deep in a long tool call owns the
+-- blocks the engines' LRU evicts first once the pool overflows, so its window is the one whose
+-- KV is lost anyway (as in evict_idle below). Then windows a running turn holds, the youngest
+-- first; those end at their lease's release. The oldest window always stays.
 local function trim(snap, limit)
   if P.adm ~= 1 or P.res ~= 1 or not snap.fresh then return 0 end
   -- hysteresis: windows may grow past the ceiling (rules 5 and 7); only when they outgrow
-  -- overcommit x the engines' whole capacity are the youngest revoked, down to overcommit x
+  -- overcommit x the engines' whole capacity are windows revoked, down to overcommit x
   -- the ceiling (overcommit 1: the pool and the ceiling themselves)
   local r = reserved()
   local oc = num(P.oc, 1)
@@ -94,23 +96,31 @@ local function trim(snap, limit)
   local excess = r - math.floor(snap.ceiling * oc)
   local n = 0
   local oldest = redis.call("ZRANGE", K.window_order, 0, 0)[1]
+  -- window_exp holds idle windows only, scored by grace expiry: the earliest was released first
+  local order = redis.call("ZRANGE", K.window_exp, 0, limit - 1)
   for _, s in ipairs(redis.call("ZREVRANGE", K.window_order, 0, limit - 1)) do
+    order[#order + 1] = s
+  end
+  for _, s in ipairs(order) do
+    if excess <= 0 then break end
     -- the oldest window always stays: revoking the last session cannot make room for anyone
-    if excess <= 0 or s == oldest then break end
-    local win = jget(K.windows, s)
-    if not win then
-      redis.call("ZREM", K.window_order, s)
-    elseif win.h == 0 then
+    -- (an idle window is listed twice; once ended, its second listing finds nothing)
+    local win = nil
+    if s ~= oldest then win = jget(K.windows, s) end
+    if win and win.h == 0 then
       end_window(s, win)
       stat("window_revoked")
       excess = excess - win.t
       n = n + 1
-    else
+    elseif win then
+      -- held by a running turn: it ends at that turn's release (marked once, counted always)
       if win.rv ~= 1 then
         win.rv = 1
         jset(K.windows, s, win)
       end
       excess = excess - win.t
+    elseif s ~= oldest then
+      redis.call("ZREM", K.window_order, s)
     end
   end
   return n
