@@ -25,7 +25,7 @@ VLLM_ENABLE_V1_MULTIPROCESSING=0, so no IPC or HTTP time is counted; dummy weigh
   tests and benchmarks use; timing was measured with a larger cache so no request is preempted);
   max_running_requests / max_prefill_tokens from the engine's scheduler config.
 
-Writes kvgate/sim/profiles/cpu-vllm-tiny.json and cpu-vllm-heavy.json (shared profile format).
+Writes kvgate/tools/sim/profiles/cpu-vllm-tiny.json and cpu-vllm-heavy.json (shared profile format).
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def measure(kind: str, reps: int) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvgate.integrations.vllm_testing import engine_kwargs, write_model
+    from kvgate.tools.vllm_testing import engine_kwargs, write_model
 
     heavy = kind == "heavy"
     t0 = time.monotonic()

@@ -2,7 +2,7 @@
 
     python benchmarks/gate_call_latency.py [--redis URL] [--turns 300] [--prompt 5000] [--sessions 20]
 
-Without ``--redis`` it starts a private ``redis-server`` (kvgate.bench's embedded one; fakeredis
+Without ``--redis`` it starts a private ``redis-server`` (kvgate.tools.bench's embedded one; fakeredis
 if the binary is missing, which measures fakeredis, not a server). Every turn is admitted at
 once (a 1M-token pool at 10 % usage): this is the floor under the client's cost, one Lua script
 per admit and one per release over loopback, with nothing else on the loop. Compare it with the
@@ -17,7 +17,7 @@ import contextlib
 import time
 
 import kvgate
-from kvgate.bench.redis_embed import embedded_redis
+from kvgate.tools.bench.redis_embed import embedded_redis
 
 
 async def measure(url: str, turns: int, prompt: int, sessions: int) -> dict:

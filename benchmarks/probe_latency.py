@@ -76,7 +76,7 @@ def run_direct(model_dir: str, lengths: list[int], n: int, max_len: int) -> list
     from vllm.inputs import TokensPrompt
 
     from kvgate.integrations.vllm import InProcessVllmProbe
-    from kvgate.integrations.vllm_testing import engine_kwargs
+    from kvgate.tools.vllm_testing import engine_kwargs
 
     llm = LLM(**engine_kwargs(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=max_len))
     try:
@@ -97,7 +97,7 @@ def run_utility(model_dir: str, lengths: list[int], n: int, max_len: int) -> lis
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from kvgate.integrations.vllm import InProcessVllmProbe
-    from kvgate.integrations.vllm_testing import engine_kwargs
+    from kvgate.tools.vllm_testing import engine_kwargs
 
     async def main() -> list[dict]:
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(
@@ -130,7 +130,7 @@ def run_utility(model_dir: str, lengths: list[int], n: int, max_len: int) -> lis
 
 def run_http(model_dir: str, lengths: list[int], n: int, max_len: int) -> list[dict]:
     from kvgate.integrations.http_probe import HttpProbe
-    from kvgate.integrations.vllm_testing import complete, start_server
+    from kvgate.tools.vllm_testing import complete, start_server
 
     srv = start_server(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=max_len,
                        python=sys.executable)
@@ -147,7 +147,7 @@ def run_busy(model_dir: str, lengths: list[int], n: int, max_len: int) -> list[d
     import httpx
 
     from kvgate.integrations.http_probe import HttpProbe
-    from kvgate.integrations.vllm_testing import complete, start_server
+    from kvgate.tools.vllm_testing import complete, start_server
 
     srv = start_server(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=max_len,
                        python=sys.executable)
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--n and --lengths must be positive")
     if max(lengths) + 16 > (NUM_BLOCKS - 1) * BLOCK:
         ap.error(f"longest prompt must fit the {NUM_BLOCKS}-block cache")
-    from kvgate.integrations.vllm_testing import write_model
+    from kvgate.tools.vllm_testing import write_model
     model_dir = write_model(max_position=max(4096, max(lengths) + 64))
     max_len = max(2048, max(lengths) + 16)
     runners = {"direct": run_direct, "utility": run_utility, "http": run_http, "busy": run_busy}

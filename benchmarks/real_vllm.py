@@ -14,9 +14,9 @@ import os
 import sys
 import time
 
-from kvgate.bench.host import MATRIX_ISA_LEVELS
-from kvgate.bench.host import describe as describe_host
-from kvgate.integrations.vllm_testing import DEFAULT_VLLM_PYTHON, start_server, write_model
+from kvgate.tools.bench.host import MATRIX_ISA_LEVELS
+from kvgate.tools.bench.host import describe as describe_host
+from kvgate.tools.vllm_testing import DEFAULT_VLLM_PYTHON, start_server, write_model
 
 # --cpu-isa: what an older CPU lacks, hidden from PyTorch and vLLM (cpu_isa/sitecustomize.py) and
 # capped in oneDNN and ATen. Why: docs/benchmarks.md#cpu-isa.
@@ -76,7 +76,7 @@ def main() -> int:
     if not os.path.exists(a.venv_python):
         print(f"vLLM python not found: {a.venv_python} (build it with scripts/setup-vllm-cpu.sh)", file=sys.stderr)
         return 2
-    from kvgate.bench import cli as bench_cli
+    from kvgate.tools.bench import cli as bench_cli
 
     rest = [x for x in a.rest if x != "--"]
     argv = ["--engine", "http://127.0.0.1:1", "--engine-kind", "vllm", "--scenario", f"cpu-{a.model}",

@@ -17,7 +17,7 @@ import sys
 
 import httpx
 
-from kvgate.integrations.vllm_testing import DEFAULT_VLLM_PYTHON, metric_value, start_server, write_model
+from kvgate.tools.vllm_testing import DEFAULT_VLLM_PYTHON, metric_value, start_server, write_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from real_vllm import CPU_ISA, isa_env  # noqa: E402 - the sibling script, not a package
@@ -48,7 +48,7 @@ def main() -> int:
     srv = start_server(write_model(heavy=heavy), heavy=heavy, python=a.venv_python,
                        env={"VLLM_SERVER_DEV_MODE": "1", **isa_env(a.cpu_isa)}, wait_s=300)
     try:
-        from kvgate.bench import cli as bench_cli
+        from kvgate.tools.bench import cli as bench_cli
         for pol in a.policies.split(","):
             before = scrape(srv.url)
             rc = bench_cli.main(["--engine", srv.url, "--engine-kind", "vllm", "--scenario", f"cpu-{a.model}",

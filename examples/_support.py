@@ -18,7 +18,7 @@ def private_redis() -> Iterator[str]:
     """A private Redis for the example: a redis-server on a free loopback port (stopped by pid
     on exit) when the binary exists, else fakeredis served over TCP. Yields its URL. This is
     the embedded Redis of ``kvgate bench``."""
-    from kvgate.bench.redis_embed import embedded_redis
+    from kvgate.tools.bench.redis_embed import embedded_redis
 
     with embedded_redis("auto") as (url, kind):
         say(f"started a private {kind} at {url}")

@@ -167,7 +167,7 @@ async def amain(args: argparse.Namespace) -> int:
         redis_url = args.redis or stack.enter_context(private_redis())
         url = args.router
         if url is None:
-            from kvgate.sim import SimCluster
+            from kvgate.tools.sim import SimCluster
             sim = SimCluster(2, "gpu-h100-30b", time_scale=args.sim_time_scale,
                              session_radix_cache=args.session_lifecycle, kv_capacity_tokens=args.sim_kv_tokens)
             await asyncio.to_thread(sim.start)          # the simulator runs on its own thread and loop
@@ -179,7 +179,7 @@ async def amain(args: argparse.Namespace) -> int:
         run_poller = args.poller if args.poller is not None else args.router is None
         if run_poller:
             # The poller is synchronous (its own event loop): run it on a thread with a sync Gate.
-            from kvgate.poller import Poller
+            from kvgate.control.poller import Poller
             pgate = stack.enter_context(kvgate.Gate.from_url(redis_url, gate=args.gate, config=cfg))
             poller = Poller(pgate, router=url, interval_s=0.5, leader_ttl_s=5.0)
             th = threading.Thread(target=poller.run, name="kvgate-poller", daemon=True)

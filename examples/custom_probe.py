@@ -4,7 +4,7 @@
 A residency probe answers one question: *what fraction of this prompt's leading blocks is in the
 prefix cache right now?*  kvgate asks it only when the cheap rules did not decide a turn (usage
 between ``high_watermark`` and ``pressure_threshold``, no ownership window), so it may cost a
-little, but it must not queue, allocate or run anything.  The interface (``kvgate.probe``)::
+little, but it must not queue, allocate or run anything.  The interface (``kvgate.client.probe``)::
 
     class ResidencyProbe(Protocol):               # sync; AsyncGate runs it in a thread
         def probe(self, session_id: str, prompt_ids: Sequence[int]) -> ProbeResult: ...

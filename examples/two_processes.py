@@ -6,9 +6,9 @@ What it does:
 1. Redis: ``--redis URL``, or (default) a private ``redis-server`` on a free loopback port,
    stopped by pid at exit.
 2. Engines: ``--router URL`` / ``--engine URL ...`` (SGLang or vLLM, ``--kind``), or (default)
-   kvgate's SGLang SIMULATOR (``kvgate.sim.SimCluster``: 2 engines + a router on loopback, with a
+   kvgate's SGLang SIMULATOR (``kvgate.tools.sim.SimCluster``: 2 engines + a router on loopback, with a
    small KV pool so the gate has something to do).  It is a simulator, not SGLang.
-3. Snapshots: ``--snapshots poller`` (default) runs a ``kvgate.poller.Poller`` in a thread of this
+3. Snapshots: ``--snapshots poller`` (default) runs a ``kvgate.control.poller.Poller`` in a thread of this
    process (router ``/workers`` -> engine ``/metrics`` -> ``gate.write_snapshot``); ``external``
    expects a ``kvgate poller`` elsewhere (docker compose) and only waits for its first snapshot.
 4. ``--processes`` (2) worker processes, each with its own ``kvgate.Gate`` on the same Redis and gate
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         redis_url = args.redis or stack.enter_context(private_redis())
         if own_sim:
-            from kvgate.sim import SimCluster
+            from kvgate.tools.sim import SimCluster
             sim = stack.enter_context(SimCluster(args.sim_engines, "gpu-h100-30b", time_scale=args.sim_time_scale,
                                                  session_radix_cache=cfg.session_lifecycle,
                                                  kv_capacity_tokens=args.sim_kv_tokens))
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         gate = stack.enter_context(kvgate.Gate.from_url(redis_url, gate=args.gate, config=cfg))
 
         if args.snapshots == "poller":
-            from kvgate.poller import Poller
+            from kvgate.control.poller import Poller
             poller = Poller(gate, router=router, engines=engines, interval_s=0.5, leader_ttl_s=5.0)
             th = threading.Thread(target=poller.run, name="kvgate-poller", daemon=True)
             th.start()

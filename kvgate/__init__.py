@@ -9,12 +9,12 @@ Public surface::
     kvgate.ProbeResult, ResidencyProbe, AsyncResidencyProbe, FakeProbe   residency probes
     kvgate.Preempted, AdmissionCancelled, AdmissionTimeout, KvgateError  exceptions
 """
-from .aio import AsyncGate, AsyncLease
+from .client.aio import AsyncGate, AsyncLease
 from .config import GateConfig
 from .errors import AdmissionCancelled, AdmissionTimeout, KvgateError, Preempted, ScriptError
-from .gate import Gate, Lease
-from .probe import UNAVAILABLE, AsyncResidencyProbe, FakeProbe, ProbeResult, ResidencyProbe
-from .snapshot import EngineState, SnapshotResult
+from .client.gate import Gate, Lease
+from .client.probe import UNAVAILABLE, AsyncResidencyProbe, FakeProbe, ProbeResult, ResidencyProbe
+from .client.snapshot import EngineState, SnapshotResult
 
 __version__ = "0.1.0"
 

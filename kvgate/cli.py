@@ -162,10 +162,10 @@ def build_parser(*, with_bench: bool = False) -> argparse.ArgumentParser:
                     help="stop after N refreshes (default: until Ctrl-C)")
     add_knob_arguments(tp)
 
-    bp = sub.add_parser("bench", help="benchmarks (kvgate.bench)")
+    bp = sub.add_parser("bench", help="benchmarks (kvgate.tools.bench)")
     if with_bench:
         try:
-            from kvgate.bench import cli as bench_cli
+            from kvgate.tools.bench import cli as bench_cli
         except ImportError as e:
             bp.set_defaults(_bench_missing=str(e))
             bp.add_argument("rest", nargs=argparse.REMAINDER)
@@ -197,7 +197,7 @@ def _open_gate(args: argparse.Namespace, cfg, parser: argparse.ArgumentParser | 
 
 
 def _leader_of(gate, name: str) -> str | None:
-    from kvgate.poller import _redis_of, leader_key
+    from kvgate.control.poller import _redis_of, leader_key
 
     try:
         v = _redis_of(gate).get(leader_key(name))
@@ -222,7 +222,7 @@ POLLER_ENV = {
 
 
 def cmd_poller(parser, args, cfg) -> int:
-    from kvgate.poller import Poller
+    from kvgate.control.poller import Poller
 
     if not args.router and not args.engine:
         parser.error("poller: give --router URL or at least one --engine URL")
@@ -253,12 +253,12 @@ def cmd_poller(parser, args, cfg) -> int:
             return 1
 
     def _stop(signum, _frame):
-        logging.getLogger("kvgate.poller").info("signal %s: stopping", signum)
+        logging.getLogger("kvgate.control.poller").info("signal %s: stopping", signum)
         poller.stop()
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    logging.getLogger("kvgate.poller").info(
+    logging.getLogger("kvgate.control.poller").info(
         "poller %s for gate %s (%s), interval %.2fs, leader ttl %.1fs, http timeout %.1fs, concurrency %d",
         poller.identity, poller.name, args.router or ",".join(args.engine), poller.interval_s,
         poller.leader_ttl_s, poller.http_timeout_s, poller.concurrency)
@@ -289,9 +289,9 @@ def _serve_metrics(gate, poller, host: str, port: int) -> None:
 
     registry = CollectorRegistry(auto_describe=False)
     try:
-        from kvgate.metrics import GateCollector
+        from kvgate.client.metrics import GateCollector
     except ImportError as e:
-        logging.getLogger("kvgate.poller").warning("kvgate.metrics.GateCollector unavailable: %s", e)
+        logging.getLogger("kvgate.control.poller").warning("kvgate.client.metrics.GateCollector unavailable: %s", e)
     else:
         registry.register(GateCollector(gate))
 
@@ -318,7 +318,7 @@ def _serve_metrics(gate, poller, host: str, port: int) -> None:
 def cmd_status(parser, args, cfg) -> int:
     from rich.console import Console
 
-    from kvgate.status import render_status, status_json
+    from kvgate.control.status import render_status, status_json
 
     gate = _open_gate(args, cfg, parser)
     try:
@@ -344,7 +344,7 @@ def cmd_top(parser, args, cfg) -> int:
     from rich.live import Live
     from rich.text import Text
 
-    from kvgate.status import render_status
+    from kvgate.control.status import render_status
 
     gate = _open_gate(args, cfg, parser)
     console = Console()
@@ -374,7 +374,7 @@ def cmd_bench(parser, args, cfg) -> int:
     missing = getattr(args, "_bench_missing", None)
     run = getattr(args, "_bench_run", None)
     if run is None:
-        print("kvgate bench: the benchmark module kvgate.bench.cli is not available"
+        print("kvgate bench: the benchmark module kvgate.tools.bench.cli is not available"
               + (f" ({missing})" if missing else "") + "; install kvgate with its benchmark extras",
               file=sys.stderr)
         return 2
@@ -396,9 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with_bench = _command_of(argv) == "bench"
     if with_bench:
         try:
-            from kvgate.bench import cli as _bench_cli  # noqa: F401
+            from kvgate.tools.bench import cli as _bench_cli  # noqa: F401
         except ImportError as e:
-            print(f"kvgate bench: the benchmark module kvgate.bench.cli is not available ({e}); "
+            print(f"kvgate bench: the benchmark module kvgate.tools.bench.cli is not available ({e}); "
                   "install kvgate with its benchmark files", file=sys.stderr)
             return 2
     parser = build_parser(with_bench=with_bench)

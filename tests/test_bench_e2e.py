@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from kvgate.bench import cli as bench_cli
-from kvgate.bench.engines import parse_counters, SGLANG_COUNTERS, VLLM_COUNTERS
-from kvgate.bench.cli import SCENARIOS, build_parser
-from kvgate.bench.runner import parse_policies
+from kvgate.tools.bench import cli as bench_cli
+from kvgate.tools.bench.engines import parse_counters, SGLANG_COUNTERS, VLLM_COUNTERS
+from kvgate.tools.bench.cli import SCENARIOS, build_parser
+from kvgate.tools.bench.runner import parse_policies
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -232,7 +232,7 @@ def test_counters_aggregate_ranks_by_max_and_sources_by_sum():
 
 def test_policy_knobs_parse_and_apply():
     from kvgate import GateConfig
-    from kvgate.bench.runner import scaled_gate_config
+    from kvgate.tools.bench.runner import scaled_gate_config
 
     ps = parse_policies("none,kvgate,kvgate[max_wait_s=600,headroom=0.8],admission[scope=all]", [])
     assert [p.name for p in ps] == ["none", "kvgate", "kvgate[max_wait_s=600,headroom=0.8]", "admission[scope=all]"]
@@ -259,7 +259,7 @@ def test_bad_policy_knobs_are_clear_errors(text, needle):
 
 
 def test_bad_policy_knob_value_fails_before_the_run(tmp_path, capsys):
-    from kvgate.bench.cli import main
+    from kvgate.tools.bench.cli import main
 
     rc = main(["--policies", "kvgate[headroom=2]", "--sessions", "2", "--turns", "2", "--no-progress",
                "--no-plots", "--out", str(tmp_path)])
@@ -282,7 +282,7 @@ def test_a_policy_with_its_own_knobs_runs_beside_the_default(tmp_path, redis_url
 
 
 def test_default_cap_sweep_is_one_one_and_a_half_and_two_times_the_sessions_that_fit():
-    from kvgate.bench.cli import SCENARIOS, build_parser, build_workload, default_caps
+    from kvgate.tools.bench.cli import SCENARIOS, build_parser, build_workload, default_caps
 
     args = build_parser().parse_args([])
     wl = build_workload(args, SCENARIOS["default"])
@@ -396,7 +396,7 @@ def test_failed_turns_fail_the_checks_and_the_exit_code(tmp_path, redis_url, cap
 def test_turns_spread_over_client_shards_one_per_session():
     import asyncio
 
-    from kvgate.bench.engines import make_client
+    from kvgate.tools.bench.engines import make_client
 
     async def go():
         c = make_client("sglang", ["http://127.0.0.1:1"], ["http://127.0.0.1:1"], max_connections=64)
@@ -415,8 +415,8 @@ def test_turns_spread_over_client_shards_one_per_session():
 def test_turns_to_plain_http_engines_go_through_the_lean_pool():
     import asyncio
 
-    from kvgate.bench.engines import EngineHTTPError, make_client
-    from kvgate.sim import SimCluster
+    from kvgate.tools.bench.engines import EngineHTTPError, make_client
+    from kvgate.tools.sim import SimCluster
 
     urls = ["http://127.0.0.1:1", "https://127.0.0.1:2", "http://127.0.0.1:3/prefix"]
     c = make_client("sglang", urls, urls[:1], lean=True)
@@ -490,7 +490,7 @@ def test_sigterm_stops_the_simulator_and_the_embedded_redis(tmp_path, delay):
     from conftest import require_binaries
 
     require_binaries("redis-server")  # the embedded Redis must be a child process here, not fakeredis
-    p = subprocess.Popen([sys.executable, "-m", "kvgate.bench", "--policies", "none,kvgate", "--sessions", "6",
+    p = subprocess.Popen([sys.executable, "-m", "kvgate.tools.bench", "--policies", "none,kvgate", "--sessions", "6",
                           "--turns", "20", "--embedded-redis", "redis-server", "--out", str(tmp_path / "o"),
                           "--no-progress", "--no-plots"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -508,7 +508,7 @@ def test_sigterm_stops_the_simulator_and_the_embedded_redis(tmp_path, delay):
                         cmd = f.read()
                 except OSError:
                     continue
-                if "kvgate.sim" in cmd:
+                if "kvgate.tools.sim" in cmd:
                     sims.append(k)
                 if _comm(k) == "redis-server" or cmd.split("\0", 1)[0].endswith("redis-server"):
                     redises.append(k)
@@ -548,7 +548,7 @@ def test_sigterm_inside_a_string_exec_still_exits_130(tmp_path):
     mod.mkdir()
     (mod / "__main__.py").write_text(
         "import sys\n"
-        "from kvgate.bench.cli import _sigterm_interrupts\n"
+        "from kvgate.tools.bench.cli import _sigterm_interrupts\n"
         "try:\n"
         "    with _sigterm_interrupts():\n"
         "        exec('import os, signal, time\\nos.kill(os.getpid(), signal.SIGTERM)\\ntime.sleep(10)')\n"

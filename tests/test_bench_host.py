@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from kvgate.bench import cli as bench_cli
-from kvgate.bench import host
+from kvgate.tools.bench import cli as bench_cli
+from kvgate.tools.bench import host
 
 # /proc/cpuinfo as the project's boxes print it (an AVX2 AMD, an AMX Xeon), flags shortened to what matters
 AMD_AVX2 = """processor\t: 0

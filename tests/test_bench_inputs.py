@@ -14,9 +14,9 @@ import threading
 
 import pytest
 
-from kvgate.bench import cli as bench_cli
-from kvgate.bench import runner
-from kvgate.bench.workload import parse_trace
+from kvgate.tools.bench import cli as bench_cli
+from kvgate.tools.bench import runner
+from kvgate.tools.bench.workload import parse_trace
 
 pytestmark = pytest.mark.timeout(120)
 

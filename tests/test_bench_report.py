@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import json
 
-from kvgate.bench.engines import Counters
-from kvgate.bench.report import checks, summarize, write_json, write_plots
-from kvgate.bench.runner import Policy, PolicyResult, TurnRecord
-from kvgate.bench.workload import IntRange, WorkloadSpec, generate
+from kvgate.tools.bench.engines import Counters
+from kvgate.tools.bench.report import checks, summarize, write_json, write_plots
+from kvgate.tools.bench.runner import Policy, PolicyResult, TurnRecord
+from kvgate.tools.bench.workload import IntRange, WorkloadSpec, generate
 
 
 def _result(policy, wall, hits, queries, lat=0.1, reasons=()):
@@ -87,7 +87,7 @@ def test_hit_rate_falls_back_to_responses_when_counters_fail():
 def test_lag_warnings_name_the_policies_whose_bench_was_short_of_cpu():
     from dataclasses import replace
 
-    from kvgate.bench.report import LAG_P50_WARN_S, lag_warnings
+    from kvgate.tools.bench.report import LAG_P50_WARN_S, lag_warnings
 
     # lags on either side of the threshold, whatever its value: a quiet median at a fifth of
     # it (a worst wake-up far above it does not count), a starved one at four times it
@@ -116,7 +116,7 @@ def test_lag_warnings_name_the_policies_whose_bench_was_short_of_cpu():
 def test_a_starved_round_is_reported_though_the_median_round_was_not():
     from dataclasses import replace
 
-    from kvgate.bench.report import combine_rounds, lag_warnings, round_lag_warnings
+    from kvgate.tools.bench.report import combine_rounds, lag_warnings, round_lag_warnings
 
     def kv(wall, lags):
         return replace(_result(Policy("kvgate", "gate", admission=True, residency=True), wall, 80, 100,
@@ -131,7 +131,7 @@ def test_a_starved_round_is_reported_though_the_median_round_was_not():
 
 
 def test_idle_while_waiting_counts_samples_with_waiters_and_nothing_in_flight(capsys):
-    from kvgate.bench.report import render_table
+    from kvgate.tools.bench.report import render_table
 
     def s(waiting, leases):
         return {"t": 0.0, "waiting": waiting, "leases": leases}
@@ -155,7 +155,7 @@ def test_idle_while_waiting_counts_samples_with_waiters_and_nothing_in_flight(ca
 
 
 def test_rounds_report_medians_of_side_by_side_ratios(capsys):
-    from kvgate.bench.report import combine_rounds, render_table
+    from kvgate.tools.bench.report import combine_rounds, render_table
 
     # three rounds, each policy once per round: walls (none, cap-2, cap-4, kvgate)
     walls = [(10.0, 7.0, 6.0, 5.0), (12.0, 6.5, 6.6, 6.6), (11.0, 8.0, 7.0, 5.5)]
@@ -248,7 +248,7 @@ def test_a_failed_hit_rate_check_says_what_aged_turns_re_prefilled():
 
 
 def test_the_step_ends_with_its_last_session_and_the_report_says_how_it_spent_its_time(capsys):
-    from kvgate.bench.report import render_table, straggler
+    from kvgate.tools.bench.report import render_table, straggler
 
     # two sessions: "fast" ends at 3.0 s; "slow" waits 1.5 s at the gate before its turn 1,
     # spends 0.75 s in the engine over three turns and ends the step at 6.0 s
@@ -301,8 +301,8 @@ def test_a_check_whose_reference_did_not_run_is_reported_as_not_made():
 
 
 def test_scenario_changes_name_the_flags_that_changed_the_workload_or_engine():
-    from kvgate.bench.cli import SCENARIOS, build_parser, build_workload, default_caps
-    from kvgate.bench.report import scenario_changes
+    from kvgate.tools.bench.cli import SCENARIOS, build_parser, build_workload, default_caps
+    from kvgate.tools.bench.report import scenario_changes
 
     def changes(argv, caps_run=None):
         args = build_parser().parse_args(argv)
@@ -348,13 +348,13 @@ def test_the_console_says_which_checks_were_not_made_and_that_the_scenario_was_m
 
 
 def bench_cli_main(argv):
-    from kvgate.bench import cli as bench_cli
+    from kvgate.tools.bench import cli as bench_cli
 
     return bench_cli.main(argv)
 
 
 def test_preempt_column_counts_preempted_attempts_and_engine_preemptions_have_their_own(capsys):
-    from kvgate.bench.report import render_table
+    from kvgate.tools.bench.report import render_table
 
     r = _result(Policy("kvgate", "gate", admission=True, residency=True), 5.0, 95, 100, reasons=("open",))
     r.step_metrics = {"agentic_kv/admission/preempted": 3.0, "agentic_kv/admission/preempted_sessions": 2.0,
@@ -415,7 +415,7 @@ def test_reprefill_does_not_count_the_partial_blocks_no_cache_could_serve():
 
 
 def test_reprefill_knows_resets_and_missing_turns():
-    from kvgate.bench.report import _unavoidable_tokens
+    from kvgate.tools.bench.report import _unavoidable_tokens
 
     # turn 1 failed (no record): turn 2 could have reused turn 0's blocks at best; turn 3 is a reset
     recs = [TurnRecord(session="a", turn=i, ready_s=i, start_s=i, done_s=i, prompt_tokens=p, cached_tokens=0,
@@ -440,7 +440,7 @@ def test_one_session_on_a_pool_far_larger_than_it_re_prefills_nothing(tmp_path):
 
 
 def test_the_footer_names_the_hit_rate_source_actually_used(capsys):
-    from kvgate.bench.report import render_table
+    from kvgate.tools.bench.report import render_table
 
     counted = _result(Policy("none", "none"), 1.0, 20, 100)
     blind = _result(Policy("kvgate", "gate", admission=True, residency=True), 1.0, 0, 0, reasons=("open",))

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kvgate.bench.workload import (IntRange, ToolLatency, WorkloadSpec, generate, load_trace, parse_range,
+from kvgate.tools.bench.workload import (IntRange, ToolLatency, WorkloadSpec, generate, load_trace, parse_range,
                                    parse_trace, session_tokens)
 
 
@@ -202,7 +202,7 @@ def test_trace_numbers_past_their_bounds_name_the_line(tmp_path, bad, fragment):
 
 
 def test_trace_numbers_at_their_bounds_are_fine():
-    from kvgate.bench.workload import MAX_GAP_S, MAX_REQUEST_TOKENS
+    from kvgate.tools.bench.workload import MAX_GAP_S, MAX_REQUEST_TOKENS
 
     w = parse_trace([_line(input_tokens=MAX_REQUEST_TOKENS - 10, output_tokens=10, gap_s=MAX_GAP_S)])
     assert w.sessions[0].turns[0].gap_s == MAX_GAP_S

@@ -24,7 +24,7 @@ import pytest
 import redis
 
 import kvgate
-from kvgate._base import BREAKER_S
+from kvgate.client.base import BREAKER_S
 
 from conftest import start_redis
 from test_poller_support import wait_until as _wait_until

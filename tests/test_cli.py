@@ -14,7 +14,7 @@ import pytest
 
 import kvgate
 from kvgate.cli import add_knob_arguments, build_parser, config_from_args, main
-from kvgate.poller import leader_key
+from kvgate.control.poller import leader_key
 from test_poller_support import (
     FakeHTTP,
     RefusedPort,
@@ -342,10 +342,10 @@ def test_top_with_redis_down_keeps_refreshing_and_says_why():
 
 
 def test_bench_missing_module_is_a_clear_message(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "kvgate.bench.cli", None)  # import now raises ImportError
-    monkeypatch.delattr("kvgate.bench.cli", raising=False)
-    import kvgate.bench as bench_pkg
+    monkeypatch.setitem(sys.modules, "kvgate.tools.bench.cli", None)  # import now raises ImportError
+    monkeypatch.delattr("kvgate.tools.bench.cli", raising=False)
+    import kvgate.tools.bench as bench_pkg
 
     monkeypatch.delattr(bench_pkg, "cli", raising=False)
     assert main(["bench", "--anything"]) == 2
-    assert "kvgate.bench.cli is not available" in capsys.readouterr().err
+    assert "kvgate.tools.bench.cli is not available" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 import kvgate
-from kvgate.probe import ProbeResult
+from kvgate.client.probe import ProbeResult
 
 from _gatehelpers import Clock, engines, script
 
@@ -172,7 +172,7 @@ def test_failed_flush_keeps_the_rest_and_sends_nothing_else(clock):
 
 
 def test_deferred_operations_are_bounded(clock, monkeypatch):
-    import kvgate._base as base
+    import kvgate.client.base as base
     monkeypatch.setattr(base, "MAX_DEFERRED", 2)
     g = three_released_while_down(clock)
     assert g.deferred_count == 2  # the oldest is left to lease_ttl_s
@@ -277,10 +277,10 @@ class HangingProbe:
 
 
 def test_hanging_probe_does_not_queue_without_bound():
-    from kvgate.gate import PROBE_THREADS
+    from kvgate.client.gate import PROBE_THREADS
     p = HangingProbe()
     g = kvgate.Gate(fakeredis.FakeRedis(), gate="g", config=kvgate.GateConfig(probe_timeout_s=0.05), probe=p)
-    from kvgate._flow import build_request
+    from kvgate.client.flows import build_request
     try:
         results = [g._probe(build_request(g.config, f"s{i}", prompt_ids=[1] * 4, max_new_tokens=1))
                    for i in range(PROBE_THREADS + 6)]

@@ -6,7 +6,7 @@ import asyncio
 import httpx
 import pytest
 
-from kvgate.discovery import (
+from kvgate.control.discovery import (
     BodyTooLarge,
     Discovery,
     DiscoveryError,
@@ -149,7 +149,7 @@ def test_fetch_limited_size_cap(srv):
 
 def test_one_engine_written_two_ways_is_one_engine():
     from kvgate._urls import normalize_base_url
-    from kvgate.discovery import dedupe_urls
+    from kvgate.control.discovery import dedupe_urls
     assert dedupe_urls(["http://E1:8000", "http://e1:8000/", "http://e1:8000@2"]) == ["http://e1:8000"]
     assert normalize_base_url("https://Host.Example:443/V1/") == "https://host.example:443/V1"  # path keeps its case
 

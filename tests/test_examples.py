@@ -2,7 +2,7 @@
 
 There is no Docker engine where these tests run, so docker/docker-compose.yml is never started
 here: it is parsed with PyYAML and every command it runs in a kvgate image is parsed by the
-real argument parser of that command (``kvgate`` CLI, ``python -m kvgate.sim``, the examples).
+real argument parser of that command (``kvgate`` CLI, ``python -m kvgate.tools.sim``, the examples).
 GPU services are checked for the flags the deployment depends on.
 
 The runnable examples run as subprocesses against the test's private redis-server and the
@@ -173,7 +173,7 @@ def test_kvgate_console_script_is_declared():
 
 def test_every_kvgate_image_command_parses(compose):
     from kvgate.cli import build_parser, config_from_args
-    from kvgate.sim.__main__ import build_parser as sim_parser
+    from kvgate.tools.sim.__main__ import build_parser as sim_parser
 
     checked = []
     for name, svc in services(compose).items():
@@ -188,12 +188,12 @@ def test_every_kvgate_image_command_parses(compose):
             assert args.router == "http://router:30000"
             assert args.metrics_host == "0.0.0.0" and args.metrics_port == 9400
             assert args.leader_ttl > args.interval
-        elif cmd[:3] == ["python", "-m", "kvgate.sim"]:
-            assert importlib.util.find_spec("kvgate.sim.__main__") is not None
+        elif cmd[:3] == ["python", "-m", "kvgate.tools.sim"]:
+            assert importlib.util.find_spec("kvgate.tools.sim.__main__") is not None
             args = parse_ok(sim_parser(), cmd[3:])
             assert args.host == svc["hostname"], "the simulator must bind (and advertise) its service hostname"
             assert args.router_port == 30000 and args.engines >= 1
-            from kvgate.sim import load_profile
+            from kvgate.tools.sim import load_profile
             load_profile(args.profile, kv_capacity_tokens=args.kv_capacity_tokens)
         elif cmd[0] == "python" and cmd[1].startswith("/opt/kvgate/examples/"):
             script = Path(cmd[1]).name
@@ -333,7 +333,7 @@ def test_two_processes_example(redis_url, tmp_path):
 
 @pytest.mark.redis_real
 def test_two_processes_against_given_engines_with_probe(redis_url, tmp_path):
-    from kvgate.sim import SimCluster
+    from kvgate.tools.sim import SimCluster
 
     with SimCluster(2, "gpu-h100-30b", time_scale=0.05, router=False, kv_capacity_tokens=8192) as sim:
         args = ["--redis", redis_url, "--gate", "given-engines", "--probe", "--sessions", "2", "--turns", "3"]
@@ -467,7 +467,7 @@ def test_setup_vllm_cpu_script_parses_and_builds_its_torch_command(tmp_path):
 
 # -- docs: the step-sized knobs `kvgate bench` runs by default, per scenario ----------------------
 def test_docs_name_the_step_knobs_the_bench_runs_on_cpu_heavy():
-    from kvgate.bench.cli import ENGINE_BOUND_STEP_KNOBS, SCENARIOS
+    from kvgate.tools.bench.cli import ENGINE_BOUND_STEP_KNOBS, SCENARIOS
     assert SCENARIOS["cpu-heavy"].step_knobs == ENGINE_BOUND_STEP_KNOBS
     want = f"kvgate[{ENGINE_BOUND_STEP_KNOBS}]"
     token = re.compile(r"kvgate\[[^\]]*\]")
@@ -490,7 +490,7 @@ def test_docs_name_the_step_knobs_the_bench_runs_on_cpu_heavy():
 def test_dockerfile_build_check_imports_the_installed_wheel_and_loads_every_script():
     import shlex
 
-    from kvgate.scripts import SCRIPT_NAMES
+    from kvgate.client.scripts import SCRIPT_NAMES
     text = (DOCKER / "Dockerfile").read_text().replace("\\\n", " ")
     (run,) = [ln for ln in text.splitlines() if ln.startswith("RUN ") and "pip install ." in ln]
     steps = [shlex.split(s) for s in run[len("RUN "):].split("&&")]

@@ -134,7 +134,7 @@ OFF_KNOBS = [
 
 @pytest.mark.parametrize("knob, value, feature", OFF_KNOBS)
 def test_an_unchecked_knob_of_a_feature_that_is_off_is_not_used(knob, value, feature):
-    from kvgate._flow import knob_params
+    from kvgate.client.flows import knob_params
     c = GateConfig(**{knob: value, feature: False})
     assert c.effective(knob) == getattr(GateConfig(), knob)  # the default, not the raw value
     sent = knob_params(c, "ch")
@@ -185,7 +185,7 @@ def test_admission_off_with_a_bad_decode_cap_never_charges_less_than_the_prompt(
     import asyncio
 
     import kvgate
-    from kvgate._flow import build_request
+    from kvgate.client.flows import build_request
     cfg = GateConfig(admission=False, expected_decode_cap=cap)
     assert build_request(cfg, "s", prompt_tokens=100, max_new_tokens=50).need == 150  # no cap, as by default
     g, ag = _sync_and_async_gates(cfg)

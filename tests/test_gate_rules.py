@@ -11,7 +11,7 @@ import time
 import pytest
 
 import kvgate
-from kvgate.probe import FakeProbe
+from kvgate.client.probe import FakeProbe
 
 from _gatehelpers import engines, script
 
@@ -460,8 +460,8 @@ def test_tool_gap_is_a_geometric_mean(backend, clock):
 def test_clients_report_each_sessions_time_away_once(backend, monkeypatch):
     # the sync and the async gate time a session's gap from the end of its last turn (held or
     # bypassed) to its next acquire, report it once, and forget it with the session
-    from kvgate import _base
-    from kvgate._flow import Eval, TurnRequest, Wait, acquire_flow
+    from kvgate.client import base as _base
+    from kvgate.client.flows import Eval, TurnRequest, Wait, acquire_flow
     g = mkgate(backend)
     g.write_snapshot(engines(cap=1000, usage=0.1))
     with g.turn("s", prompt_tokens=10, max_new_tokens=0) as lease:
@@ -971,7 +971,7 @@ def test_step_metrics_drain_and_names(backend, clock):
 def test_prometheus_collector(backend, clock):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kvgate.metrics import GateCollector
+    from kvgate.client.metrics import GateCollector
 
     g = mkgate(backend, clock)
     g.write_snapshot(engines(usage=0.2))

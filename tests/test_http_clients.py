@@ -59,7 +59,7 @@ def test_engine_connections_expire_before_uvicorns_keep_alive():
     # httpx's default expiry: a turn or a probe sent on a connection the server is closing
     # fails with ReadError (seen once in a real-vLLM bench run). Both clients expire idle
     # connections well before that.
-    from kvgate.bench.engines import make_client
+    from kvgate.tools.bench.engines import make_client
 
     def expiry(client) -> float:
         return client._transport._pool._keepalive_expiry

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kvgate.integrations.http_probe import HttpProbe
-from kvgate.probe import ProbeResult
+from kvgate.client.probe import ProbeResult
 
 BLOCK = 16
 
@@ -255,7 +255,7 @@ def test_bad_session_and_constructor_arguments(engines):
     with pytest.raises(ValueError):
         HttpProbe([a.url], timeout_s=0)
     with pytest.raises(ValueError):
-        HttpProbe([a.url], path="kvgate/probe")
+        HttpProbe([a.url], path="kvgate/client/probe")
     assert a.bodies == []
 
 

@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from kvgate.lifecycle import CloseResult, aclose_session, close_session, with_session_id
+from kvgate.client.lifecycle import CloseResult, aclose_session, close_session, with_session_id
 from test_poller_support import FakeHTTP, RefusedPort, Reply, hang, html
 
 
@@ -155,9 +155,9 @@ def _sim_gauge(url: str, name: str) -> float:
 
 @pytest.mark.redis_real
 def test_finish_session_frees_kv_on_live_engines_and_counts_the_dead_one(redis_url):
-    sim = pytest.importorskip("kvgate.sim")
+    sim = pytest.importorskip("kvgate.tools.sim")
     import kvgate
-    from kvgate.poller import Poller
+    from kvgate.control.poller import Poller
 
     with sim.SimCluster(3, router=True, session_radix_cache=True, time_scale=0.01) as c:
         gate = kvgate.Gate.from_url(redis_url, gate="life", config=kvgate.GateConfig(

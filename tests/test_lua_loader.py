@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate import scripts
-
+from kvgate.client import scripts
 ROOT = Path(__file__).resolve().parent.parent
 
 

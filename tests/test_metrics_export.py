@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 import kvgate
-from kvgate.metrics import GateCollector
+from kvgate.client.metrics import GateCollector
 
 from _gatehelpers import Clock, engines, script
 

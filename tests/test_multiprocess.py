@@ -67,7 +67,7 @@ def _probe() -> kvgate.FakeProbe:
     return kvgate.FakeProbe(lambda sid, ids: 0.9 if random.random() < 0.25 else 0.1)
 
 
-#: how long a FIFO grant waits for its waiter to claim it (kvgate/_flow.py knob_params:
+#: how long a FIFO grant waits for its waiter to claim it (kvgate/client/flows.py knob_params:
 #: two polls and a second); an unclaimed grant is reclaimed as lease_expired after that
 CLAIM_S = 2 * WAIT_POLL_S + 1.0
 

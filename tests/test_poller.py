@@ -8,7 +8,7 @@ import time
 import pytest
 
 import kvgate
-from kvgate.poller import Poller, leader_key
+from kvgate.control.poller import Poller, leader_key
 from test_poller_support import (
     FakeHTTP,
     hang,
@@ -147,9 +147,9 @@ def with_prefill(body: str, seconds: float, tokens: float) -> str:
 
 
 def test_vllm_prefill_cost_per_uncached_token(redis_url, servers, monkeypatch):
-    import kvgate.poller
+    import kvgate.control.poller
 
-    monkeypatch.setattr(kvgate.poller, "PREFILL_LOAD_WINDOW_S", 0.0)  # a load from every interval
+    monkeypatch.setattr(kvgate.control.poller, "PREFILL_LOAD_WINDOW_S", 0.0)  # a load from every interval
     body = read_data("vllm_single_metrics.txt")
     e = servers(with_prefill(body, 2.0, 10_000))
     gate = make_gate(redis_url)
@@ -191,8 +191,8 @@ def test_bench_starts_gate_policies_with_the_prefill_load_measured(redis_url, se
     import asyncio
     from types import SimpleNamespace
 
-    import kvgate.poller
-    from kvgate.bench.runner import _start_poller, _stop_poller
+    import kvgate.control.poller
+    from kvgate.tools.bench.runner import _start_poller, _stop_poller
 
     body = read_data("vllm_single_metrics.txt")
 
@@ -204,22 +204,22 @@ def test_bench_starts_gate_policies_with_the_prefill_load_measured(redis_url, se
         await _stop_poller(h)
         return waited, status
 
-    monkeypatch.setattr(kvgate.poller, "PREFILL_LOAD_WINDOW_S", 0.3)
+    monkeypatch.setattr(kvgate.control.poller, "PREFILL_LOAD_WINDOW_S", 0.3)
     waited, st = asyncio.run(start(servers(with_prefill(body, 2.0, 10_000)).url))
     assert waited >= 0.3 and st["prefill_load"] == 0.0  # an idle engine: measured, not unknown
     # an engine without prefill time has no window to wait out: with a 60 s window the start
     # is still prompt (the bound tells "did not wait for the window" from "waited 60 s", it
     # claims nothing about speed)
-    monkeypatch.setattr(kvgate.poller, "PREFILL_LOAD_WINDOW_S", 60.0)
+    monkeypatch.setattr(kvgate.control.poller, "PREFILL_LOAD_WINDOW_S", 60.0)
     waited, st = asyncio.run(start(servers(body).url))
     assert waited < 30.0 and st["prefill_load"] is None
 
 
 def test_prefill_load_waits_for_a_whole_window(redis_url, servers, monkeypatch):
-    import kvgate.poller
+    import kvgate.control.poller
 
     # a window far longer than two ticks on any box, so the claim is checked on every run
-    monkeypatch.setattr(kvgate.poller, "PREFILL_LOAD_WINDOW_S", 600.0)
+    monkeypatch.setattr(kvgate.control.poller, "PREFILL_LOAD_WINDOW_S", 600.0)
     body = read_data("vllm_single_metrics.txt")
     e = servers(with_prefill(body, 2.0, 10_000))
     p = Poller(make_gate(redis_url), engines=[e.url])
@@ -358,7 +358,7 @@ def test_bad_arguments(redis_url, kw):
 
 
 def test_against_simulated_sglang_cluster_with_dp_and_router_health(redis_url):
-    sim = pytest.importorskip("kvgate.sim")
+    sim = pytest.importorskip("kvgate.tools.sim")
     with sim.SimCluster(2, router=True, tp_size=2, dp_size=2, time_scale=0.01) as c:
         gate = make_gate(redis_url, name="simg")
         p = Poller(gate, router=c.router_url)
@@ -566,7 +566,7 @@ def test_epoch_bumps_when_every_engine_goes_down_and_comes_back(redis_url, serve
     st = gate.status()
     assert st["degraded"] and st["capacity"] == 0 and st["ceiling"] == 0
     assert [x["healthy"] for x in st["engines"]] == [0]
-    from kvgate.status import render_status
+    from kvgate.control.status import render_status
     from rich.console import Console
     with open(os.devnull, "w") as sink:
         Console(width=160, file=sink).print(render_status(st))  # renders without an engine to count
@@ -599,9 +599,9 @@ def test_a_router_listing_no_engine_is_an_empty_healthy_set(redis_url, servers):
 
 
 def test_a_reelected_leader_does_not_reuse_its_previous_terms_numbers(redis_url, servers, monkeypatch):
-    import kvgate.poller
+    import kvgate.control.poller
 
-    monkeypatch.setattr(kvgate.poller, "PREFILL_LOAD_WINDOW_S", 0.0)  # a load from every interval
+    monkeypatch.setattr(kvgate.control.poller, "PREFILL_LOAD_WINDOW_S", 0.0)  # a load from every interval
     body = read_data("vllm_single_metrics.txt")
     e = servers(with_prefill(body, 2.0, 10_000))
     a = Poller(make_gate(redis_url), engines=[e.url], identity="A")
@@ -778,12 +778,12 @@ def test_the_poller_s_redis_calls_do_not_queue_behind_the_default_executor(redis
 def test_leader_gauge_drops_when_the_lease_runs_out_between_ticks(redis_url, servers, monkeypatch):
     """kvgate_poller_leader reads Poller.status()["leader"]: a poller that stalled past its
     lease's TTL must not keep saying it leads until its next tick."""
-    import kvgate.poller
+    import kvgate.control.poller
 
     e = servers(sglang_metrics(10_000, 100))
     p = Poller(make_gate(redis_url), engines=[e.url], leader_ttl_s=2.0)
     now = [1000.0]
-    monkeypatch.setattr(kvgate.poller, "_monotonic", lambda: now[0])
+    monkeypatch.setattr(kvgate.control.poller, "_monotonic", lambda: now[0])
     assert p.tick().wrote and p.status()["leader"]
     now[0] += 1.9
     assert p.status()["leader"]
@@ -802,7 +802,7 @@ def test_poller_logs_the_gate_knobs_it_writes_with(redis_url, caplog):
     import logging
 
     gate = make_gate(redis_url, headroom=0.8, staleness_s=9.0)
-    with caplog.at_level(logging.INFO, logger="kvgate.poller"):
+    with caplog.at_level(logging.INFO, logger="kvgate.control.poller"):
         p = Poller(gate, engines=["http://127.0.0.1:1"])
     assert p.status()["knobs"]["headroom"] == 0.8
     text = " ".join(r.getMessage() for r in caplog.records)

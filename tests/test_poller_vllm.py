@@ -23,9 +23,9 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM here"
     pytest.skip(f"vllm is not importable in this interpreter: {e}", allow_module_level=True)
 
 import kvgate
-from kvgate.integrations.vllm_testing import complete, start_server
-from kvgate.poller import Poller
-from kvgate.promparse import VLLM, parse_metrics
+from kvgate.tools.vllm_testing import complete, start_server
+from kvgate.control.poller import Poller
+from kvgate.control.promparse import VLLM, parse_metrics
 from test_poller_support import DATA
 
 BS = 32

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from kvgate.promparse import SGLANG, VLLM, MetricsParseError, parse_metrics
+from kvgate.control.promparse import SGLANG, VLLM, MetricsParseError, parse_metrics
 from test_poller_support import DATA, read_data, sglang_metrics
 
 
@@ -182,8 +182,7 @@ def test_truncated_body_is_error_or_consistent():
 def test_parsing_only_the_read_lines_gives_what_parsing_everything_gives(name):
     from pathlib import Path
 
-    from kvgate import promparse
-
+    from kvgate.control import promparse
     text = (Path(__file__).parent / "data" / name).read_text()
     short = promparse._wanted_lines(text)
     assert len(short) < len(text)
@@ -191,8 +190,7 @@ def test_parsing_only_the_read_lines_gives_what_parsing_everything_gives(name):
 
 
 def test_junk_in_metrics_the_poller_does_not_read_is_ignored_but_junk_in_its_own_is_not():
-    from kvgate import promparse
-
+    from kvgate.control import promparse
     good = "# TYPE sglang:max_total_num_tokens gauge\nsglang:max_total_num_tokens 1000\nsglang:token_usage 0.5\n"
     m = promparse.parse_metrics(good + 'sglang:some_histogram_bucket{le="oops" 3\n')
     assert (m.ranks[0].capacity_tokens, m.ranks[0].usage) == (1000, 0.5)
@@ -207,8 +205,7 @@ def test_junk_in_metrics_the_poller_does_not_read_is_ignored_but_junk_in_its_own
 def test_tab_separated_and_indented_samples_are_read(sep, indent):
     # the text format allows tabs between name and value, and blanks before a line; the full
     # parser accepts both, so the cut-down body the poller parses must keep those lines too
-    from kvgate import promparse
-
+    from kvgate.control import promparse
     body = (f"{indent}# TYPE sglang:max_total_num_tokens gauge\n"
             f"{indent}sglang:max_total_num_tokens{sep}1000\n"
             f"{indent}sglang:num_used_tokens{{tp_rank=\"0\"}}{sep}950\n"
@@ -223,7 +220,6 @@ def test_tab_separated_and_indented_samples_are_read(sep, indent):
 def test_tab_separated_usage_next_to_a_space_separated_capacity():
     # only the usage line uses a tab: it must not be cut away (usage would read as used/capacity
     # or None, and the snapshot would understate the pressure)
-    from kvgate import promparse
-
+    from kvgate.control import promparse
     body = "sglang:max_total_num_tokens 1000\nsglang:num_used_tokens 100\nsglang:token_usage\t0.95\n"
     assert promparse.parse_metrics(body).ranks[0].usage == pytest.approx(0.95)

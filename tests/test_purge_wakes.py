@@ -17,7 +17,7 @@ import threading
 import pytest
 
 import kvgate
-from kvgate.poller import Poller
+from kvgate.control.poller import Poller
 
 from _gatehelpers import engines, script
 from test_poller_support import FakeHTTP, sglang_metrics, text

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.sim import (HttpPool, PrefixCache, RankScheduler, Req, SimCluster, available_profiles,
+from kvgate.tools.sim import (HttpPool, PrefixCache, RankScheduler, Req, SimCluster, available_profiles,
                         block_hashes, load_profile, output_tokens)
 
 B = 16
@@ -175,8 +175,7 @@ def test_prefill_time_is_exported_only_when_asked(process):
     # SGLang exports no prefill time; with prefill_metrics the simulator adds one (simulator-only
     # name), summed per request over each prefill batch as vLLM does, in wall time, which the
     # poller's parser reads as it reads vLLM's histogram sums
-    from kvgate import promparse
-
+    from kvgate.control import promparse
     prof = load_profile("gpu-h100-30b", **SMALL)
     scale = 0.001
     with SimCluster(1, time_scale=scale, router=False, process=process, prefill_metrics=True, **SMALL) as sim, \
@@ -454,7 +453,7 @@ def test_random_workload_keeps_the_pool_consistent(seed):
 def test_cli_rejects_an_unknown_profile_and_lists_the_available_ones():
     import subprocess
     import sys
-    p = subprocess.run([sys.executable, "-m", "kvgate.sim", "--profile", "nope", "--port", "0"],
+    p = subprocess.run([sys.executable, "-m", "kvgate.tools.sim", "--profile", "nope", "--port", "0"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert "unknown simulator profile 'nope'" in p.stderr and "gpu-h100-30b" in p.stderr

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.sim import PrefixCache, RankScheduler, Req, SimCluster, SimEngine, block_hashes, load_profile
+from kvgate.tools.sim import PrefixCache, RankScheduler, Req, SimCluster, SimEngine, block_hashes, load_profile
 
 B = 16
 SMALL = dict(kv_capacity_tokens=2048, block_size=B, context_length=None, max_running_requests=16)
@@ -135,7 +135,7 @@ def _post_and_hang_up(url: str, ids: list, max_new: int, running) -> None:
 def test_client_disconnect_aborts_the_request(monkeypatch, via_router):
     # SGLang's tokenizer manager wakes every SGLANG_REQUEST_STATE_WAIT_TIMEOUT (4 s), checks
     # request.is_disconnected() and aborts; the router drops the upstream request
-    import kvgate.sim.http as simhttp
+    import kvgate.tools.sim.http as simhttp
     monkeypatch.setattr(simhttp, "DISCONNECT_POLL_S", 0.1, raising=False)
     with SimCluster(1, time_scale=1.0, router=via_router, health_check_interval_s=None,
                     **SMALL) as sim:
@@ -195,8 +195,7 @@ def test_server_info_has_max_total_num_tokens_on_top_and_token_capacity_per_rank
 
 # ------------------------------------------------------------ 6. metric names and labels
 def test_metrics_names_and_label_sets_match_sglang():
-    from kvgate import promparse
-
+    from kvgate.control import promparse
     prof = load_profile(**SMALL)
     with SimCluster(1, time_scale=0.0, router=False, tp_size=2, **SMALL) as sim, client() as c:
         url = sim.engine_urls[0]
@@ -229,7 +228,7 @@ def test_metrics_names_and_label_sets_match_sglang():
 
 # ------------------------------------------------------------ 7. proxy read timeout
 def test_router_read_timeout_is_a_504_and_the_worker_stays_healthy(monkeypatch):
-    import kvgate.sim.http as simhttp
+    import kvgate.tools.sim.http as simhttp
     monkeypatch.setattr(simhttp, "DISCONNECT_POLL_S", 0.1, raising=False)
     with SimCluster(2, time_scale=1.0, health_check_interval_s=None, **SMALL) as sim, client() as c:
         def short_timeouts():

@@ -29,7 +29,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM here"
 import kvgate
 from kvgate.integrations.http_probe import HttpProbe
 from kvgate.integrations.vllm import InProcessVllmProbe
-from kvgate.integrations.vllm_testing import (
+from kvgate.tools.vllm_testing import (
     Streamed, cached_tokens_of, complete, engine_kwargs, metric_value, start_server, stream_complete,
     write_model,
 )

@@ -1,7 +1,7 @@
 """Which interpreter the real-engine benchmarks start vLLM with (no vLLM needed here).
 
 `benchmarks/real_vllm.sh`, `vllm_prefill_cost.py` and the other real-engine scripts start the
-server with `kvgate.integrations.vllm_testing.DEFAULT_VLLM_PYTHON`. It used to name a venv
+server with `kvgate.tools.vllm_testing.DEFAULT_VLLM_PYTHON`. It used to name a venv
 under ~/.cache that `scripts/setup-vllm-cpu.sh` never builds (it builds `.venv-vllm` in the
 source tree), so the documented "set up, activate, run" path stopped at "vLLM python not found".
 """
@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvgate.integrations.vllm_testing import default_vllm_python
+from kvgate.tools.vllm_testing import default_vllm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 

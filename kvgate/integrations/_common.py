@@ -5,9 +5,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-try:  # the lead's interface (kvgate/probe.py)
-    from kvgate.probe import ProbeResult
-except ImportError:  # pragma: no cover - only before kvgate.probe exists
+try:  # the lead's interface (kvgate/client/probe.py)
+    from kvgate.client.probe import ProbeResult
+except ImportError:  # pragma: no cover - only before kvgate.client.probe exists
     from dataclasses import dataclass
 
     @dataclass(frozen=True)

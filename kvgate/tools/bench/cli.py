@@ -1,7 +1,7 @@
 """``kvgate bench``: run one seeded agentic workload through several policies, side by side.
 
 ``add_arguments(parser)`` and ``run(args) -> int`` are called by ``kvgate/cli.py``;
-``python -m kvgate.bench`` calls :func:`main`.
+``python -m kvgate.tools.bench`` calls :func:`main`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Sequence
 from redis.exceptions import RedisError
 from rich.markup import escape
 
-from ..config import parse_value
+from ...config import parse_value
 from .engines import EngineClient, make_client
 from .host import describe as describe_host
 from .host import summary_line as host_line
@@ -236,7 +236,7 @@ def workload_vocab(args: argparse.Namespace, sc: Scenario) -> int:
     if sc.vocab is not None:
         return sc.vocab
     if not args.engine:
-        from kvgate.sim import load_profile
+        from kvgate.tools.sim import load_profile
 
         return min(VOCAB_DEFAULT, load_profile(args.profile or sc.profile).vocab_size)
     return VOCAB_DEFAULT
@@ -265,7 +265,7 @@ def build_workload(args: argparse.Namespace, sc: Scenario) -> Workload:
 
 
 class SimEnv(EngineEnv):
-    """A fresh simulated SGLang cluster per policy (``kvgate.sim.SimCluster``).
+    """A fresh simulated SGLang cluster per policy (``kvgate.tools.sim.SimCluster``).
 
     The simulator runs in a child process (the bench, its poller and Redis share the
     other core).  Turns go straight to the engines; with several engines the bench places
@@ -275,7 +275,7 @@ class SimEnv(EngineEnv):
 
     def __init__(self, profile: str, engines: int, time_scale: float, kv_capacity: int | None,
                  in_process: bool = False, prefill_metrics: bool = False) -> None:
-        from kvgate.sim import load_profile
+        from kvgate.tools.sim import load_profile
 
         base = load_profile(profile)
         if kv_capacity is not None and (isinstance(kv_capacity, bool) or not isinstance(kv_capacity, int)
@@ -289,7 +289,7 @@ class SimEnv(EngineEnv):
         self.prefill_metrics = prefill_metrics
 
     def describe(self) -> dict:
-        return {"engine": "sglang-simulator (kvgate.sim)", "profile": self.profile.name,
+        return {"engine": "sglang-simulator (kvgate.tools.sim)", "profile": self.profile.name,
                 "engines": self.engines, "kv_capacity_tokens": self.profile.kv_capacity_tokens,
                 "pool_tokens": self.pool_tokens, "time_scale": self.time_scale,
                 "profile_source": self.profile.source, "prefill_metrics": self.prefill_metrics}
@@ -305,7 +305,7 @@ class SimEnv(EngineEnv):
 
     def request_limit(self) -> tuple[int, str]:
         """The most tokens (prompt + output) one request may hold on a simulated engine, and
-        why: its context length, or its KV pool less one block (kvgate.sim.engine.validate)."""
+        why: its context length, or its KV pool less one block (kvgate.tools.sim.engine.validate)."""
         p = self.profile
         pool = (p.kv_capacity_tokens // p.block_size) * p.block_size
         if p.max_context <= pool - p.block_size:
@@ -314,7 +314,7 @@ class SimEnv(EngineEnv):
 
     @contextlib.asynccontextmanager
     async def fresh(self) -> AsyncIterator[EngineClient]:
-        from kvgate.sim import SimCluster
+        from kvgate.tools.sim import SimCluster
 
         cluster = SimCluster(self.engines, self.profile, time_scale=self.time_scale, router=False,
                              process=not self.in_process, health_check_interval_s=None,
@@ -933,7 +933,7 @@ def _source_version() -> dict:
                                 capture_output=True, text=True, timeout=5)
             out["gate_code_modified"] = sorted({ln[3:] for ln in st.stdout.splitlines()
                                                 if ln[:2].strip() and not ln.startswith("??")
-                                                and not ln[3:].startswith("kvgate/bench")})
+                                                and not ln[3:].startswith("kvgate/tools/bench")})
     except (OSError, subprocess.SubprocessError):
         pass
     return out

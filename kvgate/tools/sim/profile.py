@@ -1,4 +1,4 @@
-"""Cost profiles of the engine simulator (JSON files in ``kvgate/sim/profiles/``).
+"""Cost profiles of the engine simulator (JSON files in ``kvgate/tools/sim/profiles/``).
 
 A profile is loaded by name (the file stem) or by path.  The required fields are
 the shared contract (see ``profiles/README.md``); the optional ones have defaults
@@ -100,11 +100,11 @@ class Profile:
 
 
 def _profiles_dir():
-    return resources.files("kvgate.sim").joinpath("profiles")
+    return resources.files("kvgate.tools.sim").joinpath("profiles")
 
 
 def available_profiles() -> List[str]:
-    """Names of the profiles shipped in ``kvgate/sim/profiles/``."""
+    """Names of the profiles shipped in ``kvgate/tools/sim/profiles/``."""
     try:
         return sorted(p.name[:-5] for p in _profiles_dir().iterdir()
                       if p.name.endswith(".json"))

@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .._http import async_client
+from ..._http import async_client
 from .client import HttpPool as _Pool
 from .http import _loads, error, json_response, wait_or_disconnect
 

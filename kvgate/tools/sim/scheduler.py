@@ -1,6 +1,6 @@
 """Scheduler model of one SGLang scheduler (one DP rank), sans I/O.
 
-The driver (``kvgate.sim.engine``) calls :meth:`RankScheduler.begin_iteration`,
+The driver (``kvgate.tools.sim.engine``) calls :meth:`RankScheduler.begin_iteration`,
 sleeps ``iteration.duration_s * time_scale`` and then calls
 :meth:`RankScheduler.end_iteration`; all state changes happen inside those two
 calls (and in submit / abort / close_session), so the model is deterministic and

@@ -1,8 +1,8 @@
-"""``python -m kvgate.sim``: serve simulated SGLang engines + a router until Ctrl-C.
+"""``python -m kvgate.tools.sim``: serve simulated SGLang engines + a router until Ctrl-C.
 
 Example::
 
-    python -m kvgate.sim --engines 2 --profile gpu-h100-30b --port 30000 --time-scale 0.05
+    python -m kvgate.tools.sim --engines 2 --profile gpu-h100-30b --port 30000 --time-scale 0.05
 
 Engines listen on ``--port``, ``--port+1``, ...; the router on ``--router-port``
 (default: the port after the last engine).  ``--port 0`` picks free ports.  The
@@ -23,7 +23,7 @@ from .profile import DEFAULT_PROFILE, available_profiles
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m kvgate.sim",
+    ap = argparse.ArgumentParser(prog="python -m kvgate.tools.sim",
                                  description="SGLang engine + router SIMULATOR (not SGLang).")
     ap.add_argument("--engines", type=int, default=2, help="number of simulated engines")
     ap.add_argument("--profile", default=DEFAULT_PROFILE,

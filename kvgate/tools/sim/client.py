@@ -5,8 +5,8 @@ import asyncio
 from typing import Any, List
 from urllib.parse import urlsplit
 
-from .._json import dumps as _dumps, loads as _loads
-from .._aio import wait_for
+from ..._json import dumps as _dumps, loads as _loads
+from ..._aio import wait_for
 
 
 class HttpPool:

@@ -6,7 +6,7 @@ HTTP surface (``/generate``, ``/abort_request``, ``/close_session``,
 model and a cost model from a profile.  It is a simulator, not SGLang: see
 docs/simulator.md for what is modelled and what is not.
 
-    from kvgate.sim import SimCluster
+    from kvgate.tools.sim import SimCluster
     with SimCluster(2, "gpu-h100-30b", time_scale=0.05) as sim:
         sim.router_url, sim.engine_urls, sim.engines[0], sim.stop_engine(1)
 """

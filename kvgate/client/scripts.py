@@ -27,7 +27,7 @@ def lua_dir() -> Path:
     shipped = resources.files("kvgate") / "lua"
     if shipped.is_dir():
         return Path(str(shipped))
-    src = Path(__file__).resolve().parent.parent / "lua"
+    src = Path(__file__).resolve().parents[2] / "lua"
     if src.is_dir():
         return src
     raise FileNotFoundError("kvgate Lua scripts not found (neither kvgate/lua nor ../lua)")

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from .._json import dumps as _dumps, loads as _loads
+from ..._json import dumps as _dumps, loads as _loads
 from .engine import SimEngine
 from .scheduler import Req
 

@@ -8,14 +8,14 @@ from typing import Any, AsyncIterator, Sequence
 
 import redis.asyncio as aioredis
 
-from . import _base
-from ._base import GateBase, LeaseBase, engine_urls_from
-from ._flow import BreakerOpen, Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow, check_session_id
-from .config import GateConfig
-from .errors import KvgateError
+from . import base as _base
+from .base import GateBase, LeaseBase, engine_urls_from
+from .flows import BreakerOpen, Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow, check_session_id
+from ..config import GateConfig
+from ..errors import KvgateError
 from .probe import UNAVAILABLE, ProbeResult, coerce
 from .snapshot import EngineState, SnapshotResult
-from ._aio import wait_for
+from .._aio import wait_for
 
 # and the call deadline; and RuntimeError, which redis-py's asyncio client raises for a
 # connection of another event loop ("attached to a different loop", "Event loop is closed")

@@ -11,10 +11,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ._base import PROBE_THREADS  # noqa: F401 - also kvgate.gate's name for it
-from ._base import REDIS_ERRORS, GateBase, LeaseBase, engine_urls_from
-from ._flow import BreakerOpen, Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow, check_session_id
-from .config import GateConfig
+from .base import PROBE_THREADS  # noqa: F401 - also kvgate.client.gate's name for it
+from .base import REDIS_ERRORS, GateBase, LeaseBase, engine_urls_from
+from .flows import BreakerOpen, Decision, Eval, Probe, RedisDown, TurnRequest, Wait, acquire_flow, check_session_id
+from ..config import GateConfig
 from .probe import UNAVAILABLE, ProbeResult, coerce
 from .snapshot import EngineState, SnapshotResult
 
@@ -349,7 +349,7 @@ class Gate(GateBase):
                 else:  # pragma: no cover
                     raise AssertionError(op)
         except BaseException as e:
-            from .errors import KvgateError
+            from ..errors import KvgateError
             if not isinstance(e, (KvgateError, ValueError)):
                 # interrupted mid-wait (KeyboardInterrupt, a failure in a probe...): never leak
                 self._cancel_quietly(req.ticket)

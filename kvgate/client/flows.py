@@ -19,8 +19,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Sequence
 
-from .config import GateConfig
-from .errors import AdmissionCancelled, AdmissionTimeout, Preempted, ScriptError
+from ..config import GateConfig
+from ..errors import AdmissionCancelled, AdmissionTimeout, Preempted, ScriptError
 from .probe import ProbeResult
 
 

@@ -2,7 +2,7 @@
 
 One small process per gate (``kvgate poller ...``), or a library object::
 
-    poller = kvgate.poller.Poller(gate, router="http://router:30000")
+    poller = kvgate.control.poller.Poller(gate, router="http://router:30000")
     poller.run()                      # until poller.stop() / SIGTERM (CLI)
 
 Each tick:
@@ -50,7 +50,7 @@ from redis.exceptions import LockError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvgate._http import async_client
-from kvgate.discovery import (
+from kvgate.control.discovery import (
     DEFAULT_MAX_BODY_BYTES,
     Discovery,
     DiscoveryError,
@@ -58,9 +58,9 @@ from kvgate.discovery import (
     HttpError,
     fetch_limited,
 )
-from kvgate.promparse import EngineMetrics, MetricsParseError, parse_metrics
+from kvgate.control.promparse import EngineMetrics, MetricsParseError, parse_metrics
 
-log = logging.getLogger("kvgate.poller")
+log = logging.getLogger("kvgate.control.poller")
 
 __all__ = ["Poller", "TickResult", "ScrapeResult", "engine_states", "leader_key"]
 
@@ -117,7 +117,7 @@ class TickResult:
 
 
 def _engine_state_cls():
-    from kvgate.snapshot import EngineState
+    from kvgate.client.snapshot import EngineState
 
     return EngineState
 

@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ._aio import wait_for
-from ._urls import normalize_base_url
+from .._aio import wait_for
+from .._urls import normalize_base_url
 
 __all__ = [
     "Endpoint",

@@ -13,14 +13,14 @@ from typing import Any, Callable, Sequence
 
 import redis
 
-from . import keys as _keys
-from ._flow import BreakerOpen, Decision, TurnRequest, build_request, knob_params
-from .config import GateConfig
+from .. import keys as _keys
+from .flows import BreakerOpen, Decision, TurnRequest, build_request, knob_params
+from ..config import GateConfig
 from .metrics import build_step_metrics
 from .probe import ProbeResult
 from .scripts import SCRIPT_NAMES, script_source
 from .snapshot import EngineState, SnapshotResult
-from ._urls import normalize_base_url
+from .._urls import normalize_base_url
 
 #: after a Redis fault, turns bypass as degraded without calling Redis for this long,
 #: so a dead Redis costs one timeout per breaker period, not one per turn

@@ -5,7 +5,7 @@ engine's scheduler tasks and every uvicorn server (each on its own free
 127.0.0.1 port).  ``SimCluster`` is a context manager; start and stop are
 bounded by ``start_timeout_s`` / ``stop_timeout_s``.
 
-With ``process=True`` the same cluster runs in a child ``python -m kvgate.sim``
+With ``process=True`` the same cluster runs in a child ``python -m kvgate.tools.sim``
 (another core for the simulator; only the HTTP surface is available then, plus
 ``stop_engine`` through ``POST /sim/stop``).
 """
@@ -32,7 +32,7 @@ from .engine import SimEngine
 from .http import build_engine_app
 from .profile import Profile, load_profile
 from .router import SimRouter
-from .._aio import wait_for
+from ..._aio import wait_for
 
 LOOPBACK = "127.0.0.1"
 
@@ -333,7 +333,7 @@ class SimCluster:
         prof = os.path.join(self._tmpdir, "profile.json")
         with open(prof, "w", encoding="utf-8") as f:
             json.dump(self.profile.to_dict(), f)
-        cmd = [sys.executable, "-m", "kvgate.sim", "--engines", str(self.n_engines),
+        cmd = [sys.executable, "-m", "kvgate.tools.sim", "--engines", str(self.n_engines),
                "--profile", prof, "--time-scale", str(self.engine_kwargs["time_scale"]),
                "--tp-size", str(self.engine_kwargs["tp_size"]),
                "--dp-size", str(self.engine_kwargs["dp_size"]),

@@ -19,7 +19,7 @@ from typing import Iterable, Mapping
 import httpx
 
 from kvgate._http import async_client
-from kvgate.discovery import HttpError, dedupe_urls, fetch_limited
+from kvgate.control.discovery import HttpError, dedupe_urls, fetch_limited
 
 __all__ = ["CloseResult", "with_session_id", "aclose_session", "close_session"]
 

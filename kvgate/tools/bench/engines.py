@@ -24,10 +24,10 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from .._http import ENGINE_KEEPALIVE_EXPIRY_S, async_client
+from ..._http import ENGINE_KEEPALIVE_EXPIRY_S, async_client
 from ..sim.client import HttpPool
-from .._json import dumps as _dumps, loads as _loads
-from ..promparse import select_lines
+from ..._json import dumps as _dumps, loads as _loads
+from ...control.promparse import select_lines
 
 _JSON = {"content-type": "application/json"}
 
@@ -137,7 +137,7 @@ class EngineClient:
         for i in range(self.SHARDS):  # now, not on a session's first turn inside the timed run
             self._client(i)
         # lean=True (the bench's own simulator): turns go through the simulator's lean HTTP/1.1
-        # pool (kvgate.sim.HttpPool) where the URL is plain http without a base path. httpx's
+        # pool (kvgate.tools.sim.HttpPool) where the URL is plain http without a base path. httpx's
         # per-request machinery was a third of the bench process's CPU, and at time scale 0.02
         # the bench's CPU is model time (docs/benchmark-runs.md#lean-client). Real engines keep
         # httpx: the pool knows nothing of TLS, base paths or a server's keep-alive expiry.

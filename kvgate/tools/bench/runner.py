@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from .engines import Counters, EngineClient
 from .workload import Workload, session_tokens
-from .._aio import wait_for
+from ..._aio import wait_for
 
 __all__ = ["Policy", "parse_policies", "TurnRecord", "PolicyResult", "EngineEnv", "run_policy",
            "scaled_gate_config", "GATE_POLICIES", "default_step_timeout"]
@@ -246,7 +246,7 @@ async def _maybe(x: Any) -> Any:
 class _SnapshotFeeder:
     """Writes capacity snapshots into the gate from ``GET /kvgate/usage`` of each engine.
 
-    Used when ``kvgate.poller.Poller`` is not available (or not wanted); also runs the
+    Used when ``kvgate.control.poller.Poller`` is not available (or not wanted); also runs the
     gate's housekeeping each tick, as the poller would.
     """
 
@@ -309,7 +309,7 @@ async def _gate_for(policy: Policy, redis_url: str, base_cfg: Any, client: Engin
             await feeder.tick()
             feeder_task = asyncio.create_task(feeder.run())
         info = {"gate": name, "config": _cfg_dict(cfg), "probe": type(probe).__name__ if probe else None,
-                "snapshots": "kvgate.poller.Poller" if poller is not None else "bench feeder (/kvgate/usage)"}
+                "snapshots": "kvgate.control.poller.Poller" if poller is not None else "bench feeder (/kvgate/usage)"}
         yield gate, info
     finally:
         if feeder_task is not None:
@@ -350,7 +350,7 @@ class _PollerHandle:
 
 async def _start_poller(redis_url: str, gate_name: str, cfg: Any, client: EngineClient,
                         interval_s: float) -> Any:
-    """Run the real ``kvgate.poller.Poller`` (static engine list) as a task in this loop.
+    """Run the real ``kvgate.control.poller.Poller`` (static engine list) as a task in this loop.
 
     Returns None when the poller is not importable, so the bench falls back to its own
     ``/kvgate/usage`` feeder.  The first tick runs before any turn and, where the engines
@@ -361,7 +361,7 @@ async def _start_poller(redis_url: str, gate_name: str, cfg: Any, client: Engine
     """
     try:
         import kvgate
-        from kvgate.poller import PREFILL_LOAD_WINDOW_S, Poller
+        from kvgate.control.poller import PREFILL_LOAD_WINDOW_S, Poller
     except ImportError:
         return None
     sync_gate = kvgate.Gate.from_url(redis_url, gate=gate_name, config=cfg)

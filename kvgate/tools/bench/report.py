@@ -375,7 +375,7 @@ _RANGE_FLAGS = {"turns", "first_prompt", "tool_result", "output"}
 def scenario_changes(args: Any, sc: Any, *, time_scale: float, caps_run: Sequence[int],
                      default_caps: Sequence[int]) -> list[str]:
     """What the flags of a ``kvgate bench`` run (``args``) changed in the workload or engines
-    of its named scenario ``sc`` (a ``kvgate.bench.cli.Scenario``), one ``--flag value`` each;
+    of its named scenario ``sc`` (a ``kvgate.tools.bench.cli.Scenario``), one ``--flag value`` each;
     empty for the scenario as the issue defines it. A flag given with the scenario's own value
     changes nothing. ``caps_run``: the fixed caps that ran; they change the scenario when they
     are not its sweep ``default_caps`` (a cap of every session is no gate, so "beats the best

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ._urls import normalize_base_url
+from .._urls import normalize_base_url
 
 #: the most KV tokens one engine may report: far above any real engine, and low enough
 #: that a fleet's sums stay exact in the scripts (cjson keeps 14 significant digits)

@@ -1,0 +1,1 @@
+"""What a rollout worker runs: the gates, their flows, probes, scripts and step metrics."""

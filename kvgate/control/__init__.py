@@ -1,0 +1,1 @@
+"""The control plane: the poller, engine discovery, metrics parsing, status rendering."""
