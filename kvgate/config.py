@@ -38,19 +38,16 @@ class GateConfig:
     high_watermark: float = 0.85
     hit_threshold: float = 0.80
     expected_decode_cap: int | None = None
-    growth_reserve: float = 1.0
-    overcommit: float = 1.0
     max_wait_s: float = 30.0
-    wait_cost_ratio: float = 4.0
-    wait_cost_load: float = 0.3
-    wait_cost_gap: float = 0.0
-    wait_cost_pool: float = 8.0
+    max_wait_hard_s: float = 1800.0
     wait_poll_s: float = 5.0
     idle_grace_s: float = 60.0
     lease_ttl_s: float = 600.0
     staleness_s: float = 6.0
     scope: str = "train"
-    # operational knobs (not in the seeds): bounds on every outside call
+    # expert overrides and operational knobs (not in the seeds; docs/knobs.md#expert-overrides)
+    # a fixed budget scale instead of the measured one (None: the poller's controller sizes it)
+    budget_scale: float | None = None
     redis_timeout_s: float = 1.0
     probe_timeout_s: float = 0.5
     close_timeout_s: float = 2.0
@@ -87,17 +84,10 @@ class GateConfig:
             if cap is not None and cap > 2**31 - 1:
                 raise ValueError(f"expected_decode_cap must be at most {2**31 - 1}, got {cap}")
 
-        def at_least_one(name: str) -> None:
-            g = number(name)
-            if g < 1.0 or math.isinf(g):
-                raise ValueError(f"{name} must be >= 1 and finite, got {g}")
-
         checks = {
             "headroom": lambda: in_range("headroom", 0.0, 1.0, True),
             "pressure_threshold": lambda: in_range("pressure_threshold", 0.0, 1.0, True),
             "expected_decode_cap": check_decode_cap,
-            "growth_reserve": lambda: at_least_one("growth_reserve"),
-            "overcommit": lambda: at_least_one("overcommit"),
             "high_watermark": lambda: in_range("high_watermark", 0.0, 1.0, True),
             "hit_threshold": lambda: in_range("hit_threshold", 0.0, 1.0, False),
         }
@@ -117,9 +107,7 @@ class GateConfig:
                 raise ValueError(
                     f"high_watermark ({self.high_watermark}) must be <= pressure_threshold "
                     f"({self.pressure_threshold})")
-        for name, lo_open in (("max_wait_s", False), ("wait_cost_ratio", False), ("wait_cost_load", False),
-                              ("wait_cost_gap", False), ("wait_cost_pool", False),
-                              ("wait_poll_s", True), ("idle_grace_s", False), ("lease_ttl_s", True), ("staleness_s", True),
+        for name, lo_open in (("max_wait_s", False), ("max_wait_hard_s", False), ("wait_poll_s", True), ("idle_grace_s", False), ("lease_ttl_s", True), ("staleness_s", True),
                               ("redis_timeout_s", True), ("probe_timeout_s", True),
                               ("close_timeout_s", True)):
             v = number(name)
@@ -129,6 +117,13 @@ class GateConfig:
                 # the scripts get milliseconds as integers: past ~2**63 ms they would wrap
                 # negative (a lease that expires at once); no wait or grace is ever that long
                 raise ValueError(f"{name} must be at most {MAX_SECONDS:g} s, got {v:g}")
+        if self.max_wait_hard_s < self.max_wait_s:
+            raise ValueError(f"max_wait_hard_s ({self.max_wait_hard_s:g}) must be >= max_wait_s "
+                             f"({self.max_wait_s:g})")
+        if self.budget_scale is not None:
+            b = self.budget_scale
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
+                raise ValueError(f"budget_scale must be a finite number > 0 or None, got {b!r}")
         if isinstance(self.reap_batch, bool) or not isinstance(self.reap_batch, int) or self.reap_batch < 1:
             raise ValueError(f"reap_batch must be an int >= 1, got {self.reap_batch!r}")
         if not isinstance(self.engine_urls, tuple) or not all(isinstance(u, str) and u for u in self.engine_urls):
@@ -179,7 +174,6 @@ class GateConfig:
 #: the knobs validated only while their feature is on (SPEC section 6), and that feature
 FEATURE_KNOBS: dict[str, str] = {
     "headroom": "admission", "pressure_threshold": "admission", "expected_decode_cap": "admission",
-    "growth_reserve": "admission", "overcommit": "admission",
     "high_watermark": "residency", "hit_threshold": "residency",
 }
 
@@ -189,11 +183,10 @@ _FIELD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(GateConfig)
 KNOB_TYPES: dict[str, type] = {
     "admission": bool, "residency": bool, "session_lifecycle": bool, "headroom": float,
     "pressure_threshold": float, "high_watermark": float, "hit_threshold": float,
-    "expected_decode_cap": int, "growth_reserve": float, "overcommit": float, "max_wait_s": float,
-    "wait_cost_ratio": float, "wait_cost_load": float, "wait_cost_gap": float, "wait_cost_pool": float, "wait_poll_s": float,
+    "expected_decode_cap": int, "max_wait_s": float, "max_wait_hard_s": float, "wait_poll_s": float,
     "idle_grace_s": float, "lease_ttl_s": float, "staleness_s": float, "scope": str,
     "redis_timeout_s": float, "probe_timeout_s": float, "close_timeout_s": float,
-    "reap_batch": int, "engine_urls": tuple,
+    "reap_batch": int, "engine_urls": tuple, "budget_scale": float,
 }
 
 
@@ -216,6 +209,8 @@ def parse_value(name: str, raw: str, source: str | None = None) -> Any:
                 return None
             return int(s)
         if typ is float:
+            if name == "budget_scale" and s.lower() in ("", "none", "auto"):
+                return None
             return float(s)
         if typ is tuple:
             return tuple(u.strip() for u in s.split(",") if u.strip())

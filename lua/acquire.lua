@@ -7,19 +7,17 @@
     ticket (str), session (str), need (int tokens = prompt + capped decode budget),
     protected (0/1), retain (0/1 open an ownership window when admitted under pressure),
     probe (float): -1 not probed yet, -2 probe unavailable / not configured, else hit ratio 0..1,
-    adm, res, hw, pt, hit (hit_threshold), headroom, stale_ms, ttl_ms, grace_ms, claim_ms,
-    max_wait_ms (aging), wcr (wait_cost_ratio), wcl (wait_cost_load), wcg (wait_cost_gap), wcp (wait_cost_pool),
+    adm, res, hw, pt, hit (hit_threshold), headroom, budget_scale, stale_ms, ttl_ms, grace_ms,
+    claim_ms, max_wait_ms (aging without progress), max_wait_hard_ms (aging in any case),
     gap (optional ms: the session's time away since its last turn ended, sent once per
     attempt; feeds the typical tool gap in the ledger), alive_ms (a waiter's
     liveness extension), reap (bounded work), ch (channel),
-    age (optional 1: the caller's clock says this attempt waited max_wait_s; age it now),
+    age (optional 1: the caller's clock says this attempt waited max_wait_hard_s; age it now),
     t0 (optional ms: when this attempt began, as a "probe" reply's b told it).
   Returns JSON {o=outcome, r=reason, w=waited ms, t=charged tokens, ep=epoch, pos=FIFO position,
-    mw=this waiter's max wait ms (max_wait_ms, or sooner by wait_cost_ratio),
     b=when a new attempt began (with "probe": send it back as t0)}
     o = "admit" | "bypass" | "wait" | "probe" (enqueued; probe and call again) | "preempted"
-    (an aged waiter is admitted, reason "aged", when admission, residency and retain are on;
-    otherwise it bypasses, reason "aged")
+    (an aged head is admitted with a lease, reason "aged")
   Publishes: "p <ticket>" when it preempts an older waiting attempt of the same session
     (an attempt that began before the waiting one is preempted itself instead),
     "g <ticket>" for FIFO heads granted by the bounded advance.
@@ -29,7 +27,8 @@
 
 local ticket, session, need = P.ticket, P.session, math.floor(num(P.need, 0))
 
--- a new attempt may report how long its session was away since its last turn (wait_cost_gap, wait_cost_pool)
+-- a new attempt may report how long its session was away since its last turn (the typical
+-- tool gap, which kvgate status shows)
 if num(P.gap, -1) >= 0 then note_gap(P.gap) end
 
 -- the FIFO place of a superseded attempt passes to the attempt that superseded it only while
@@ -39,7 +38,7 @@ local inherited = nil
 local function out(o, r, extra)
   -- something this call reaped or ended gave room back (SPEC 4: every purge wakes waiters):
   -- grant the heads that fit now, whatever this attempt's own answer
-  if FREED then advance(num(P.reap, 8), nil) end
+  if FREED then advance(P.reap, nil) end
   if inherited ~= nil and o ~= "probe" then
     local ow = jget(K.waiters, inherited)
     if ow and ow.q then
@@ -60,7 +59,7 @@ if l then
   if l.c == 1 then
     l.c = 0
     jset(K.leases, ticket, l)
-    redis.call("ZADD", K.lease_exp, I(NOW + num(P.ttl_ms, 600000)), ticket)
+    redis.call("ZADD", K.lease_exp, I(NOW + P.ttl_ms), ticket)
   end
   return out("admit", l.r, { w = l.a - l.e, t = l.t + 0, held = 1 })
 end
@@ -75,7 +74,7 @@ end
 
 -- bounded reclaim, after this ticket's own lease was looked up: a grant still in the hash is
 -- claimable by its ticket even at its claim deadline
-reap(num(P.reap, 8))
+reap(P.reap)
 if w and not jget(K.waiters, ticket) then w = nil end
 
 -- a new attempt preempts the older waiting attempt of its session and takes its place; this
@@ -115,7 +114,7 @@ end
 if P.protected == 1 then
   if w then drop_waiter(ticket, w) end
   -- the FIFO lost this turn's record, or the stale attempt's place: the next head may fit now
-  if w or inherited then advance(num(P.reap, 8), nil) end
+  if w or inherited then advance(P.reap, nil) end
   stat("bypass"); stat("bypass_protected")
   return out("bypass", "protected")
 end
@@ -128,10 +127,8 @@ if not snap.fresh then
   return out("bypass", "degraded")
 end
 
--- what this turn is checked against the ledger with: a turn that would open a window (no
--- live one, rule 5 below) is checked with the window's floor (growth_reserve)
+-- does this turn open (or keep) an ownership window if it is admitted?
 local opens = opens_window(P.retain, snap.usage)
-local eff = opens and window_floor(snap, need) or need
 
 local function admitted(reason, win_mode)
   local enq = nil
@@ -139,9 +136,9 @@ local function admitted(reason, win_mode)
     enq = w.e
     drop_waiter(ticket, w)
   end
-  local g = grant(ticket, session, need, reason, enq, win_mode, false, eff)
-  trim(snap, num(P.reap, 8))
-  advance(num(P.reap, 8), snap)
+  local g = grant(ticket, session, need, reason, enq, win_mode, false)
+  trim(snap, P.reap)
+  advance(P.reap, snap)
   return out("admit", reason, { w = g.a - g.e, t = g.t })
 end
 
@@ -157,7 +154,7 @@ if w then
 else
   older = redis.call("ZCARD", K.fifo) > 0
 end
-local blocked = block_reason(snap, eff)
+local blocked = block_reason(snap, need)
 if not older and blocked == nil then
   return admitted("open", opens and "open" or nil)
 end
@@ -167,13 +164,13 @@ end
 -- not hand places to newcomers (it would only revoke someone else's)
 local win_mode = nil
 -- (with residency alone, only under pressure, as everywhere: opens_window)
-if opens and (P.adm ~= 1 or reserved() + eff <= snap.ceiling) then win_mode = "open" end
-local probe = num(P.probe, -2)
+if opens and (P.adm ~= 1 or reserved() + need <= snap.ceiling) then win_mode = "open" end
+local probe = P.probe
 local band = P.res == 1 and (P.adm ~= 1 or snap.usage < P.pt)
 
 if band then
   -- rule 7: the probe says this prompt's prefix is resident
-  if probe >= 0 and probe >= num(P.hit, 0.8) and (P.adm ~= 1 or reserved() + eff <= snap.ceiling) then
+  if probe >= 0 and probe >= P.hit and (P.adm ~= 1 or reserved() + need <= snap.ceiling) then
     return admitted("resident_prefix", win_mode)
   end
   -- rule 8: residency alone fails open when no probe answers (with admission on, a failed
@@ -183,35 +180,27 @@ if band then
   end
 end
 
--- rule 9: wait in the global FIFO, or leave it once older than max_wait
+-- rule 9: wait in the global FIFO. Aging is a liveness guard, not a latency budget (SPEC 4):
+-- only the head leaves the FIFO by aging, when the gate made no progress for max_wait_s
+-- (measured from when it began waiting, if later) or when it waited max_wait_hard_s; an aged
+-- head is admitted like any other turn, with a lease, so the ledger keeps counting it.
+-- (Ages count from the attempt's start, not the enqueue: the caller's own deadline does.)
 local reason = blocked or "queued"
-local max_wait = num(P.max_wait_ms, 30000)
--- waiting pays only while it costs less than a re-prefill: with a measured prefill cost, and
--- engines that spend little of their time prefilling (a re-prefill then runs in idle time),
--- a waiter ages after wait_cost_ratio x the time to prefill its whole prompt cold, if sooner
-local cost_wait = cost_wait_ms(snap, need)
-if cost_wait then max_wait = math.min(max_wait, cost_wait) end
--- (aging from the attempt's start, not the enqueue: else the caller, whose deadline counts
--- from its first call, re-checks in a tight loop until the script agrees)
--- a new attempt back from its probe round trip (t0) ages from when it began, too
 local since = w and waiter_since(w) or num(P.t0, NOW)
-if P.age == 1 or NOW - since >= max_wait then
-  if P.adm == 1 and P.res == 1 and P.retain == 1 then
-    -- aged, both features on: the turn enters with a lease and a window instead of running
-    -- uncounted, and idle windows that have waited longest on their tools give way to it
-    -- (docs/decisions.md). An uncounted bypass would run cold every max_wait_s and evict
-    -- the prefixes the windows were holding; this way its next turns are warm and counted.
-    evict_idle(snap, eff, num(P.reap, 8))
-    return admitted("aged", "open")
-  end
-  if w then
-    drop_waiter(ticket, w)
-    advance(num(P.reap, 8), snap)  -- the waiters behind it move up now, not at their next poll
-  end
-  stat("bypass"); stat("bypass_aged")
-  return out("bypass", "aged", { w = NOW - since })
+local function aged_out()
+  if P.age == 1 then return true end  -- the caller's clock: past max_wait_hard_s
+  if not w or redis.call("ZRANGE", K.fifo, 0, 0)[1] ~= ticket then return false end
+  if NOW - since >= P.max_wait_hard_ms then return true end
+  return NOW - math.max(since, last_progress() or since) >= P.max_wait_ms
 end
-if band and probe == -1 and (P.adm ~= 1 or reserved() + eff <= snap.ceiling) then
+if aged_out() then
+  if P.adm == 1 and P.res == 1 then
+    -- idle windows that have waited longest on their tools give way to it (docs/decisions.md)
+    evict_idle(snap, need, P.reap)
+  end
+  return admitted("aged", opens and "open" or nil)
+end
+if band and probe == -1 and (P.adm ~= 1 or reserved() + need <= snap.ceiling) then
   -- rules 1-6 did not decide and a probe could: ask the caller to probe, then call again
   -- (with admission on, rule 7 needs room in the ledger: without it no answer could admit)
   -- a new attempt learns when it began (t0 on its next call), so that a newer attempt
@@ -231,15 +220,14 @@ elseif w.n ~= need then
   w.n = need
   jset(K.waiters, ticket, w)
 end
-redis.call("ZADD", K.alive, I(NOW + num(P.alive_ms, 11000)), ticket)
+redis.call("ZADD", K.alive, I(NOW + P.alive_ms), ticket)
 -- let heads that fit go first (bounded); this ticket may be one of them
-advance(num(P.reap, 8), snap)
+advance(P.reap, snap)
 local g = jget(K.leases, ticket)
 if g then
   g.c = 0
   jset(K.leases, ticket, g)
-  redis.call("ZADD", K.lease_exp, I(NOW + num(P.ttl_ms, 600000)), ticket)
+  redis.call("ZADD", K.lease_exp, I(NOW + P.ttl_ms), ticket)
   return out("admit", g.r, { w = g.a - g.e, t = g.t })
 end
-return out("wait", reason, { w = NOW - waiter_since(w), pos = redis.call("ZRANK", K.fifo, ticket),
-  mw = math.floor(max_wait) })
+return out("wait", reason, { w = NOW - waiter_since(w), pos = redis.call("ZRANK", K.fifo, ticket) })

@@ -29,5 +29,5 @@ if free_lease(P.ticket) then
   removed = "lease"
   stat("cancelled")
 end
-advance(num(P.reap, 8), nil)
+advance(P.reap, nil)
 return cjson.encode({ removed = removed })

@@ -3,15 +3,18 @@
   with the ledger's current state, atomically.
 
   KEYS: the 14 gate keys (includes/common.lua).
-  ARGV[1] now ms or ""; ARGV[2] JSON: drain (0/1 reset the window), stale_ms.
+  ARGV[1] now ms or ""; ARGV[2] JSON: drain (0/1 reset the window), plus the knobs of
+    release.lua (the ceiling is computed as acquire.lua computes it).
   Returns JSON {stats={field=value...}, reserved, epoch, leases, waiting, windows,
-    capacity, usage, hit_rate, snapshot_age_ms (-1 when none), n_healthy,
+    capacity, ceiling (tokens), budget_scale (the scale in use, docs/budget.md),
+    usage, hit_rate, snapshot_age_ms (-1 when none), n_healthy,
     prefill_s_per_token, prefill_load (-1 when not measured),
     tool_gap_s (the typical time sessions spend between turns; -1 before 8 samples),
     preempted_sessions, preempted_max (sessions with preempted attempts, and the most one of
     them has; sessions are forgotten at finish_session, so the work is bounded by the live ones)}
 ]]
 --@include common
+--@include state
 
 local flat = redis.call("HGETALL", K.stats)
 local st = {}
@@ -39,8 +42,9 @@ for _, n in ipairs(pvals) do
   local x = tonumber(n) or 0
   if x > pmax then pmax = x end
 end
+local snap = snapshot()
 return cjson.encode({
-  stats = st, reserved = reserved(), epoch = epoch(),
+  stats = st, reserved = reserved(), epoch = epoch(), ceiling = snap.ceiling, budget_scale = snap.scale,
   leases = redis.call("ZCARD", K.lease_exp), waiting = redis.call("ZCARD", K.fifo),
   windows = redis.call("HLEN", K.windows), capacity = num(v[2], 0), usage = num(v[3], 0),
   hit_rate = num(v[4], -1), snapshot_age_ms = age, n_healthy = num(v[5], 0), now = NOW,

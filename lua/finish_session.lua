@@ -33,5 +33,5 @@ if t then
 end
 redis.call("HDEL", K.preempted, s)
 stat("session_finished")
-advance(num(P.reap, 8), nil)
+advance(P.reap, nil)
 return cjson.encode(res)

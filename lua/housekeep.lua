@@ -12,8 +12,8 @@
 --@include common
 --@include state
 
-local n = reap(math.floor(num(P.limit, 100)))
+local n = reap(P.limit)
 local snap = snapshot()
-n.revoked = trim(snap, math.floor(num(P.limit, 100)))
-n.granted = advance(math.floor(num(P.limit, 100)), snap)
+n.revoked = trim(snap, P.limit)
+n.granted = advance(P.limit, snap)
 return cjson.encode(n)

@@ -22,8 +22,8 @@ if l and P.lat_ms ~= nil and P.turn ~= nil then
   statf("lat_s_sum:" .. b, num(P.lat_ms, 0) / 1000.0)
   stat("lat_n:" .. b)
 end
-reap(num(P.reap, 8))
+reap(P.reap)
 local snap = snapshot()
-trim(snap, num(P.reap, 8))
-local g = advance(num(P.reap, 8), snap)
+trim(snap, P.reap)
+local g = advance(P.reap, snap)
 return cjson.encode({ released = l and 1 or 0, granted = g })

@@ -8,12 +8,12 @@
   ARGV[1] now ms or ""; ARGV[2] JSON: engines = [{id (str), cap (int tokens),
     used (int tokens), usage (float 0..1), healthy (0/1), hit (float or -1), url (str),
     kind (str), pst (prefill seconds per uncached token, or -1), pl (prefill load: prefill
-    seconds per wall second, or -1)}], plus the knobs of release.lua. The snapshot's
-    prefill_s_per_token is the slowest healthy engine's, its prefill_load the busiest one's
-    (-1: none measured).
+    seconds per wall second, or -1)}], measured_scale (optional: the budget scale the poller's
+    controller measured, docs/budget.md; stored with the time it was written), plus the knobs
+    of release.lua. The snapshot's prefill_s_per_token is the slowest healthy engine's, its
+    prefill_load the busiest one's (-1: none measured).
   Returns JSON {epoch=n, bumped=0|1, capacity=tokens, usage=float, n_healthy=n}
-  Publishes "e <epoch>" on a bump, "g <ticket>" for FIFO grants, "a <ticket>" for waiters
-  the measured prefill cost now lets age (they re-check at once).
+  Publishes "e <epoch>" on a bump, "g <ticket>" for FIFO grants.
 ]]
 --@include common
 --@include state
@@ -52,6 +52,9 @@ redis.call("HSET", K.snapshot, "ts_ms", I(NOW), "capacity", I(cap), "usage", tos
   "n_engines", I(#(P.engines or {})), "n_healthy", I(nh), "healthy_sig", sig,
   "hit_rate", tostring(hit), "prefill_s_per_token", tostring(pst), "prefill_load", tostring(pl),
   "engines", cjson.encode(P.engines or {}))
+if P.measured_scale ~= nil then
+  redis.call("HSET", K.snapshot, "budget_scale", tostring(P.measured_scale), "budget_ts_ms", I(NOW))
+end
 if nh > 0 then
   statf("usage_sum", usage)
   stat("usage_n")
@@ -59,17 +62,6 @@ if nh > 0 then
   if usage > mx then redis.call("HSET", K.stats, "usage_max", tostring(usage)) end
 end
 local snap = snapshot()
-trim(snap, num(P.reap, 8))
-advance(num(P.reap, 8), snap)
--- a fresh prefill measurement can shorten waits (acquire.lua, wait_cost_ratio): the oldest
--- waiters already past their new bound are told to re-check now, not at their next poll
-if snap.fresh and cost_wait_ms(snap, 0) then
-  for _, t in ipairs(redis.call("ZRANGE", K.fifo, 0, num(P.reap, 8) - 1)) do
-    local w = jget(K.waiters, t)
-    local b = w and w.st == "w" and cost_wait_ms(snap, num(w.n, 0))
-    if b and NOW - waiter_since(w) >= b then
-      publish("a " .. t)
-    end
-  end
-end
+trim(snap, P.reap)
+advance(P.reap, snap)
 return cjson.encode({ epoch = epoch(), bumped = bumped, capacity = cap, usage = usage, n_healthy = nh })

@@ -15,8 +15,9 @@ def test_defaults_from_the_seeds():
     assert (c.headroom, c.pressure_threshold, c.high_watermark, c.hit_threshold) == (0.90, 0.92, 0.85, 0.80)
     assert c.expected_decode_cap is None
     assert (c.max_wait_s, c.wait_poll_s, c.idle_grace_s, c.lease_ttl_s, c.staleness_s) == (30.0, 5.0, 60.0, 600.0, 6.0)
+    assert c.max_wait_hard_s == 1800.0  # SPEC 6: the backstop NVIDIA Dynamo's session-aware admission uses
     assert c.scope == "train"
-    assert (c.wait_cost_ratio, c.wait_cost_load) == (4.0, 0.3)  # not in the seeds (docs/decisions.md) (docs/decisions.md#wait-cost-ratio)
+    assert c.budget_scale is None  # measured by the poller (docs/budget.md)
 
 
 BAD = [
@@ -25,18 +26,17 @@ BAD = [
     ("high_watermark", 0.0), ("high_watermark", 1.2), ("high_watermark", 0.95),  # > pressure_threshold
     ("hit_threshold", -0.1), ("hit_threshold", 1.1),
     ("expected_decode_cap", 0), ("expected_decode_cap", -5), ("expected_decode_cap", 1.5), ("expected_decode_cap", True),
-    ("growth_reserve", 0.5), ("growth_reserve", 0), ("growth_reserve", math.inf), ("growth_reserve", math.nan),
-    ("growth_reserve", "3"),
-    ("overcommit", 0.99), ("overcommit", 0), ("overcommit", math.inf), ("overcommit", math.nan), ("overcommit", "1.3"),
     ("max_wait_s", -1), ("max_wait_s", math.inf), ("wait_poll_s", 0), ("idle_grace_s", -0.1),
-    ("wait_cost_ratio", -1), ("wait_cost_ratio", math.inf), ("wait_cost_ratio", math.nan),
-    ("wait_cost_load", -0.1), ("wait_cost_load", math.inf),
+    ("max_wait_hard_s", -1), ("max_wait_hard_s", math.nan), ("max_wait_hard_s", 10.0),  # < max_wait_s
+    ("max_wait_s", 3600.0),  # > max_wait_hard_s
+    ("budget_scale", 0), ("budget_scale", -1.0), ("budget_scale", math.inf), ("budget_scale", math.nan),
+    ("budget_scale", "2"), ("budget_scale", True),
     ("lease_ttl_s", 0), ("staleness_s", 0), ("scope", "eval"), ("scope", ""),
     ("admission", 1), ("residency", "yes"), ("session_lifecycle", None),
     ("redis_timeout_s", 0), ("probe_timeout_s", -1), ("close_timeout_s", 0), ("reap_batch", 0),
     ("engine_urls", ["http://a"]), ("engine_urls", ("",)),
     # past ~2**63 ms the scripts' integer milliseconds wrap negative: a lease that expires at once
-    ("lease_ttl_s", 1e16), ("idle_grace_s", 1e16), ("max_wait_s", 1e10), ("wait_poll_s", 2e9),
+    ("lease_ttl_s", 1e16), ("idle_grace_s", 1e16), ("max_wait_hard_s", 1e10), ("wait_poll_s", 2e9),
 ]
 
 
@@ -48,7 +48,7 @@ def test_every_knob_rejects_bad_values(knob, value):
 
 @pytest.mark.parametrize("knob, value, feature", [
     ("headroom", 0.0, "admission"), ("pressure_threshold", 2.0, "admission"),
-    ("expected_decode_cap", 0, "admission"), ("growth_reserve", 0.5, "admission"), ("overcommit", 0.5, "admission"),
+    ("expected_decode_cap", 0, "admission"),
     ("high_watermark", 0.0, "residency"), ("hit_threshold", 5.0, "residency"),
 ])
 def test_feature_knobs_validated_only_when_feature_on(knob, value, feature):
@@ -81,8 +81,9 @@ def test_env_overrides():
     assert c.engine_urls == ("http://a:1", "http://b:2")
     assert GateConfig.from_env(env, max_wait_s=3.0).max_wait_s == 3.0  # explicit beats env
     assert GateConfig.from_env({"KVGATE_EXPECTED_DECODE_CAP": "none"}).expected_decode_cap is None
-    assert GateConfig.from_env({"KVGATE_GROWTH_RESERVE": "2.5"}).growth_reserve == 2.5
-    assert GateConfig.from_env({"KVGATE_OVERCOMMIT": "1.3"}).overcommit == 1.3
+    assert GateConfig.from_env({"KVGATE_MAX_WAIT_HARD_S": "600"}).max_wait_hard_s == 600.0
+    assert GateConfig.from_env({"KVGATE_BUDGET_SCALE": "1.5"}).budget_scale == 1.5
+    assert GateConfig.from_env({"KVGATE_BUDGET_SCALE": "auto"}).budget_scale is None
 
 
 @pytest.mark.parametrize("make", ["init", "from_url"])
@@ -91,14 +92,14 @@ def test_a_client_without_config_reads_the_environment(make, monkeypatch):
 
     import kvgate
     monkeypatch.setenv("KVGATE_MAX_WAIT_S", "7")
-    monkeypatch.setenv("KVGATE_GROWTH_RESERVE", "2")
+    monkeypatch.setenv("KVGATE_MAX_WAIT_HARD_S", "70")
     for cls in (kvgate.Gate, kvgate.AsyncGate):
         if make == "init":
             r = fakeredis.FakeRedis() if cls is kvgate.Gate else fakeredis.FakeAsyncRedis()
             g = cls(r, gate="g")
         else:
             g = cls.from_url("redis://127.0.0.1:1/0", gate="g")
-        assert (g.config.max_wait_s, g.config.growth_reserve) == (7.0, 2.0)
+        assert (g.config.max_wait_s, g.config.max_wait_hard_s) == (7.0, 70.0)
         # an explicit config is taken as given, the environment aside
         g2 = cls(fakeredis.FakeRedis() if cls is kvgate.Gate else fakeredis.FakeAsyncRedis(), gate="g",
                  config=GateConfig())
@@ -116,8 +117,8 @@ def test_env_errors_name_the_variable(var, raw):
 
 
 def test_the_longest_times_are_still_accepted():
-    c = GateConfig(lease_ttl_s=1e9, idle_grace_s=1e9, max_wait_s=1e9)
-    assert (c.lease_ttl_s, c.idle_grace_s, c.max_wait_s) == (1e9, 1e9, 1e9)
+    c = GateConfig(lease_ttl_s=1e9, idle_grace_s=1e9, max_wait_s=1e9, max_wait_hard_s=1e9)
+    assert (c.lease_ttl_s, c.idle_grace_s, c.max_wait_s, c.max_wait_hard_s) == (1e9, 1e9, 1e9, 1e9)
 
 
 # -- knobs of a feature that is off: not validated (SPEC 6), so never used as given --------
@@ -126,8 +127,7 @@ def test_the_longest_times_are_still_accepted():
 # status, the reservation of a turn, the knobs the scripts read.
 OFF_KNOBS = [
     ("headroom", math.nan, "admission"), ("headroom", math.inf, "admission"), ("headroom", -3.0, "admission"),
-    ("pressure_threshold", math.nan, "admission"), ("growth_reserve", math.nan, "admission"),
-    ("overcommit", -math.inf, "admission"), ("high_watermark", math.nan, "residency"),
+    ("pressure_threshold", math.nan, "admission"), ("high_watermark", math.nan, "residency"),
     ("hit_threshold", math.inf, "residency"),
 ]
 
@@ -138,7 +138,7 @@ def test_an_unchecked_knob_of_a_feature_that_is_off_is_not_used(knob, value, fea
     c = GateConfig(**{knob: value, feature: False})
     assert c.effective(knob) == getattr(GateConfig(), knob)  # the default, not the raw value
     sent = knob_params(c, "ch")
-    short = {"headroom": "headroom", "pressure_threshold": "pt", "growth_reserve": "gr", "overcommit": "oc",
+    short = {"headroom": "headroom", "pressure_threshold": "pt",
              "high_watermark": "hw", "hit_threshold": "hit"}[knob]
     assert sent[short] == getattr(GateConfig(), knob)
     # a value that passes the check is used even with its feature off

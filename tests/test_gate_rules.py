@@ -263,27 +263,30 @@ def test_aged_admission_after_max_wait(backend):
 
 @pytest.mark.parametrize("cfg, kw", [(dict(residency=False), {}), (dict(), dict(retain_session=False))],
                          ids=["admission-only", "no-retain"])
-def test_aged_bypass_without_a_window_to_give(backend, cfg, kw):
-    # the SPEC's aged bypass stays where no window could be opened
+def test_an_aged_turn_is_admitted_with_a_lease_where_no_window_opens(backend, cfg, kw):
+    # aged has one meaning: an admission holding a lease the ledger counts (docs/decisions.md)
     g = mkgate(backend, max_wait_s=0.3, wait_poll_s=0.1, **cfg)
     g.write_snapshot(engines(usage=0.95))
     lease = g.acquire("s", prompt_tokens=1, max_new_tokens=1, **kw)
-    assert (lease.outcome, lease.reason, lease.held) == ("bypass", "aged", False)
-    assert ledger(g) == 0 and g.redis.zcard(g.key("fifo")) == 0
+    assert (lease.outcome, lease.reason, lease.held) == ("admit", "aged", True)
+    assert ledger(g) == 2 and g.redis.zcard(g.key("fifo")) == 0
+    assert g.redis.hlen(g.key("windows")) == 0
+    lease.release()
+    assert ledger(g) == 0
 
 
-@pytest.mark.parametrize("residency, expect", [(True, ("admit", "aged", True)), (False, ("bypass", "aged", False))])
-def test_local_clock_ages_a_wait_the_script_clock_does_not(backend, clock, residency, expect):
+@pytest.mark.parametrize("residency", [True, False])
+def test_local_clock_ages_a_wait_the_script_clock_does_not(backend, clock, residency):
     # the script's clock is frozen (a misbehaving Redis clock): the caller's own deadline
-    # (max_wait_s + one poll) asks the script to age the attempt, which decides it as usual
-    g = mkgate(backend, clock, max_wait_s=0.3, wait_poll_s=0.1, residency=residency)
+    # (max_wait_hard_s + one poll) asks the script to age the attempt, which admits it
+    g = mkgate(backend, clock, max_wait_s=0.3, max_wait_hard_s=0.3, wait_poll_s=0.1, residency=residency)
     g.write_snapshot(engines(usage=0.95))
     t0 = time.monotonic()
     lease = g.acquire("s", prompt_tokens=4, max_new_tokens=1)
-    assert (lease.outcome, lease.reason, lease.held) == expect
+    assert (lease.outcome, lease.reason, lease.held) == ("admit", "aged", True)
     assert 0.3 <= time.monotonic() - t0 < 0.3 + 0.1 + 2.0
     assert g.redis.zcard(g.key("fifo")) == 0
-    assert ledger(g) == (5 if residency else 0)
+    assert ledger(g) == 5
     lease.release()
 
 
@@ -321,127 +324,11 @@ def priced(states, s_per_token, load=0.1):
     return [dataclasses.replace(e, prefill_s_per_token=s_per_token, prefill_load=load) for e in states]
 
 
-@pytest.mark.parametrize("ratio, load, wcp, bound_ms", [(4.0, 0.1, 0.0, 800), (0.0, 0.1, 0.0, 30000),
-                                                        (4.0, 0.3, 0.0, 30000), (4.0, None, 0.0, 30000),
-                                                        (4.0, 0.1, 8.0, 30000), (4.0, 0.0, 8.0, 30000)])
-def test_measured_prefill_cost_shortens_the_wait(backend, clock, ratio, load, wcp, bound_ms):
-    # the load rule (wait_cost_pool and wait_cost_gap at 0). 1 ms per uncached token, a
-    # 200-token turn: a cold prefill costs 0.2 s, so with wait_cost_ratio 4 the waiter ages
-    # after 0.8 s instead of max_wait_s; not with the ratio at 0, nor when the engines spend
-    # wait_cost_load (0.3) or more of their time prefilling (a re-prefill then takes time
-    # others need), nor when that load is not measured. With the pool rule on (its default,
-    # 8) and no tool gap reported yet, the load does not decide: max_wait_s, even at a load
-    # of 0 (the idle engines a fresh gate's first burst finds)
-    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, wait_cost_ratio=ratio, wait_cost_pool=wcp)
-    g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001, load))
-    held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
-    r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
-    assert (r["o"], r["r"], r["mw"]) == ("wait", "capacity_exhausted", bound_ms)
-    clock.advance(0.7)
-    g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001, load))
-    assert script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)["o"] == "wait"
-    clock.advance(0.1)
-    recheck_past_the_bound(g, load, bound_ms, held)
-
-
-def recheck_past_the_bound(g, load, bound_ms, held, snap=None):
-    """Re-check waiter "t" (session "new", 200 tokens) 0.8 s into its wait, after a snapshot
-    write (`snap`, default: one 1,000-token engine at 1 ms per token and `load`): aged in if its
-    bound was 4 cold prefills (800 ms), still waiting on max_wait_s (30 s) otherwise; then let go
-    of it and of the lease `held` (session "a") that kept it waiting, and check the ledger is empty."""
-    g.write_snapshot(snap if snap is not None else priced(engines(cap=1000, usage=0.1), 0.001, load))
-    r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
-    if bound_ms == 800:
-        assert (r["o"], r["r"], r["w"]) == ("admit", "aged", 800)
-        script(g, "release", ticket="t")
-    else:
-        assert (r["o"], r["mw"]) == ("wait", 30000)  # max_wait_s alone: 29.2 s to go
-        script(g, "cancel", ticket="t", aged=0)
-    held.release()
-    for sid in ("a", "new"):
-        g.finish_session(sid)
-    assert ledger(g) == 0
-
-
 def report_gaps(g, ms, n):
     """n turns that report their session's time away (protected: they touch nothing else)"""
     for i in range(n):
         r = script(g, "acquire", ticket=f"gap{ms}-{i}", session=f"gs{i}", need=1, protected=1, gap=ms)
         assert r["o"] == "bypass"
-
-
-@pytest.mark.parametrize("load, gap_ms, n, wcg, bound_ms", [
-    (0.5, 400, 8, 1.0, 800), (0.5, 100, 8, 1.0, 30000), (0.5, 400, 7, 1.0, 30000), (0.5, 400, 8, 0.0, 30000),
-    (0.5, 100, 8, 2.0, 800), (0.1, 50, 8, 2.0, 30000), (0.1, 50, 7, 2.0, 30000), (0.1, 50, 8, 0.0, 800),
-    (0.5, 400, 8, None, 30000), (0.1, 50, 8, None, 800)])
-def test_tool_gap_decides_the_wait_bound_once_known(backend, clock, load, gap_ms, n, wcg, bound_ms):
-    # a cold prefill of this 200-token turn takes 0.2 s (1 ms per token). Once 8 gaps were
-    # reported, the typical gap decides: no longer than wait_cost_gap x the time sessions
-    # spend away between turns, the waiter ages after 4 x 0.2 s, whatever the prefill load
-    # (0.5, above wait_cost_load); longer, it keeps max_wait_s, whatever the load (0.1, below:
-    # sessions back every 50 ms keep the engine busy re-prefilling). Before 8 gaps it keeps
-    # max_wait_s whatever the load (a load on record then predates the waiting turns); with
-    # wait_cost_gap 0 (its default: None here) the load decides as before. The pool rule,
-    # on by default, is off here: the next test covers it and its order with this one
-    knob = {} if wcg is None else {"wait_cost_gap": wcg}
-    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, wait_cost_ratio=4.0, wait_cost_pool=0.0, **knob)
-    g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001, load))
-    report_gaps(g, gap_ms, n)
-    st = g.status()
-    assert st["tool_gap_s"] == (pytest.approx(gap_ms / 1000.0) if n >= 8 else None)
-    held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
-    r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
-    assert (r["o"], r["mw"]) == ("wait", bound_ms)
-    clock.advance(0.8)
-    recheck_past_the_bound(g, load, bound_ms, held)
-
-
-@pytest.mark.parametrize("n_engines, gap_ms, n, wcp, wcg, load, bound_ms", [
-    (1, 400, 8, 3.0, 0.0, 0.5, 800),     # refill 1 s <= 3 x 0.4 s: time to spare, whatever the load
-    (1, 300, 8, 3.0, 0.0, 0.1, 30000),   # refill 1 s > 3 x 0.3 s: keep max_wait_s, whatever the load
-    (2, 200, 8, 3.0, 0.0, 0.5, 800),     # two engines refill their halves in parallel: 0.5 s <= 0.6 s
-    (1, 400, 7, 3.0, 0.0, 0.5, 30000),   # before 8 gaps: max_wait_s, whatever the load (0.5: busy)
-    (1, 400, 7, 3.0, 0.0, 0.0, 30000),   # ... (0.0: the idle engines before the first burst)
-    (1, 400, 8, 0.0, 0.0, 0.5, 30000),   # wait_cost_pool 0: the load decides
-    (1, 300, 8, 3.0, 4.0, 0.5, 800),     # wait_cost_gap, when set, decides first (0.2 s <= 1.2 s)
-    (1, 400, 8, 3.0, 0.4, 0.5, 30000),   # ... and says no here (0.2 s > 0.4 x 0.4 s), where the pool would say yes
-])
-def test_pool_refill_decides_the_wait_bound_once_the_gap_is_known(backend, clock, n_engines, gap_ms, n,
-                                                                  wcp, wcg, load, bound_ms):
-    # 1 ms per uncached token and a pool of 1,000 tokens (headroom 1): refilling the pool cold
-    # takes 1 s, split over the engines that share it. Once 8 gaps were reported, the engines
-    # have time to spare when that refill takes at most wait_cost_pool x the typical tool gap:
-    # then the 200-token waiter ages after 4 cold prefills of its turn (0.8 s)
-    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, wait_cost_ratio=4.0,
-               wait_cost_pool=wcp, wait_cost_gap=wcg)
-    snap = priced(engines(cap=1000 // n_engines, usage=0.1, n=n_engines), 0.001, load)
-    g.write_snapshot(snap)
-    report_gaps(g, gap_ms, n)
-    held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
-    r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
-    assert (r["o"], r["mw"]) == ("wait", bound_ms)
-    clock.advance(0.8)
-    recheck_past_the_bound(g, load, bound_ms, held, snap)
-
-
-def test_snapshot_write_with_a_waiter_outside_the_gap_bound(backend, clock):
-    # the typical gap (0.1 s) makes short turns cheap to re-prefill but not this one (a cold
-    # prefill of 1,000 tokens takes 1 s): the snapshot write's wake-up pass skips it and the
-    # write succeeds; the waiter keeps max_wait_s
-    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, wait_cost_ratio=4.0, wait_cost_gap=2.0)
-    g.write_snapshot(priced(engines(cap=2000, usage=0.1), 0.001, 0.5))
-    report_gaps(g, 100, 8)
-    held = g.acquire("a", prompt_tokens=1900, max_new_tokens=0)
-    r = script(g, "acquire", ticket="t", session="new", need=1000, probe=-2, retain=1)
-    assert (r["o"], r["mw"]) == ("wait", 30000)
-    clock.advance(1.0)
-    assert g.write_snapshot(priced(engines(cap=2000, usage=0.1), 0.001, 0.5)).n_healthy == 1
-    r = script(g, "acquire", ticket="t", session="new", need=1000, probe=-2, retain=1)
-    assert (r["o"], r["mw"]) == ("wait", 30000)
-    script(g, "cancel", ticket="t", aged=0)
-    held.release()
-    g.finish_session("a")
-    assert ledger(g) == 0
 
 
 def test_tool_gap_is_a_geometric_mean(backend, clock):
@@ -510,16 +397,6 @@ def test_async_gate_reports_the_gap(redis_url):
     assert asyncio.run(main()) == 2
 
 
-def test_unmeasured_prefill_cost_keeps_max_wait(backend, clock):
-    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30)
-    g.write_snapshot(engines(cap=1000, usage=0.1))  # no engine says what a prefill costs
-    held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
-    r = script(g, "acquire", ticket="t", session="new", need=200, probe=-2, retain=1)
-    assert (r["o"], r["mw"]) == ("wait", 30000)
-    script(g, "cancel", ticket="t", aged=0)
-    held.release()
-
-
 def test_snapshot_keeps_the_slowest_engines_prefill_cost(backend, clock):
     g = mkgate(backend, clock)
     e = engines(cap=1000, usage=0.1, n=3)
@@ -528,49 +405,6 @@ def test_snapshot_keeps_the_slowest_engines_prefill_cost(backend, clock):
     assert (st["prefill_s_per_token"], st["prefill_load"]) == (pytest.approx(5e-4), pytest.approx(0.6))
     g.write_snapshot(engines(cap=1000, usage=0.1))
     assert (g.status()["prefill_s_per_token"], g.status()["prefill_load"]) == (None, None)
-
-
-def test_client_rechecks_at_the_cost_bound_not_the_poll_interval(backend):
-    # wait_poll_s 30: a client that slept a poll interval would wait 30 s; the script's bound
-    # (0.2 s) tells it when to re-check, and the turn enters aged long before the poll (the
-    # load rule decides: no tool gap is reported here)
-    g = mkgate(backend, headroom=1.0, max_wait_s=60, wait_poll_s=30, wait_cost_ratio=1.0, wait_cost_pool=0.0)
-    g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001))
-    held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
-    lease = g.acquire("new", prompt_tokens=200, max_new_tokens=0)
-    assert (lease.outcome, lease.reason) == ("admit", "aged")
-    assert 0.2 <= lease.waited_s < 30
-    lease.release()
-    held.release()
-    for sid in ("a", "new"):
-        g.finish_session(sid)
-    assert ledger(g) == 0
-
-
-def test_new_prefill_measurement_wakes_waiters_past_their_bound(backend):
-    # the turn starts waiting before any engine measured its prefill (bound: max_wait_s 60,
-    # next poll in 30 s); the measurement arrives, the snapshot write tells it to re-check
-    # (the load rule decides: no tool gap is reported here)
-    g = mkgate(backend, headroom=1.0, max_wait_s=60, wait_poll_s=30, wait_cost_ratio=1.0, wait_cost_pool=0.0)
-    g.write_snapshot(engines(cap=1000, usage=0.1))
-    held = g.acquire("a", prompt_tokens=900, max_new_tokens=0)
-    out = {}
-    t = threading.Thread(target=lambda: out.update(lease=g.acquire("new", prompt_tokens=200, max_new_tokens=0)))
-    t.start()
-    deadline = time.monotonic() + 20
-    while g.redis.zcard(g.key("fifo")) == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.3)  # past the coming bound: 1 x 1 ms x 200 tokens = 0.2 s
-    g.write_snapshot(priced(engines(cap=1000, usage=0.1), 0.001))
-    t.join(timeout=25)
-    assert not t.is_alive(), "the waiter slept through the wake-up"
-    lease = out["lease"]
-    assert (lease.outcome, lease.reason) == ("admit", "aged") and lease.waited_s < 30
-    lease.release()
-    held.release()
-    for sid in ("a", "new"):
-        g.finish_session(sid)
-    assert ledger(g) == 0
 
 
 def test_aged_admission_over_commits_when_no_window_is_idle(backend, clock):
@@ -590,6 +424,109 @@ def test_aged_admission_over_commits_when_no_window_is_idle(backend, clock):
     held.release()
     g.finish_session("a")
     assert ledger(g) == 0
+
+
+# -- aging: a liveness guard (SPEC 4) ----------------------------------------------------
+def wait_call(g, ticket, session, need=200):
+    return script(g, "acquire", ticket=ticket, session=session, need=need, probe=-2, retain=1)
+
+
+def test_the_head_waits_while_the_gate_makes_progress(backend, clock):
+    # a session that holds its window keeps turning over: every release is progress, so the
+    # head keeps its place past max_wait_s (30 s) and ages only once 30 s pass without any
+    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, idle_grace_s=600, wait_poll_s=20)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    g.acquire("busy", prompt_tokens=900, max_new_tokens=0).release()
+    assert wait_call(g, "t", "new")["o"] == "wait"
+    for _ in range(6):  # 60 s of turns of "busy", one every 10 s
+        clock.advance(10)
+        g.write_snapshot(engines(cap=1000, usage=0.1))
+        g.acquire("busy", prompt_tokens=900, max_new_tokens=0).release()
+        assert wait_call(g, "t", "new")["o"] == "wait"
+    clock.advance(29)
+    g.write_snapshot(engines(cap=1000, usage=0.1))  # a snapshot write is not progress
+    assert wait_call(g, "t", "new")["o"] == "wait"
+    clock.advance(1)
+    r = wait_call(g, "t", "new")
+    assert (r["o"], r["r"], r["w"]) == ("admit", "aged", 90000)
+    assert int(g.redis.hget(g.key("stats"), "admit_aged")) == 1
+
+
+def test_the_head_ages_after_max_wait_hard_s_whatever_the_progress(backend, clock):
+    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, max_wait_hard_s=100, idle_grace_s=600,
+               wait_poll_s=20)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    g.acquire("busy", prompt_tokens=900, max_new_tokens=0).release()
+    assert wait_call(g, "t", "new")["o"] == "wait"
+    for _ in range(9):
+        clock.advance(11)
+        g.write_snapshot(engines(cap=1000, usage=0.1))
+        g.acquire("busy", prompt_tokens=900, max_new_tokens=0).release()
+        assert wait_call(g, "t", "new")["o"] == "wait"
+    clock.advance(1)  # 100 s
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    r = wait_call(g, "t", "new")
+    assert (r["o"], r["r"], r["w"]) == ("admit", "aged", 100000)
+
+
+def test_only_the_head_ages_and_an_aged_admission_is_not_progress(backend, clock):
+    g = mkgate(backend, clock, headroom=1.0, max_wait_s=30, idle_grace_s=600, wait_poll_s=30)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    busy = g.acquire("busy", prompt_tokens=900, max_new_tokens=0)  # held: nothing to evict
+    assert wait_call(g, "first", "s1")["o"] == "wait"
+    clock.advance(5)
+    assert wait_call(g, "second", "s2")["o"] == "wait"
+    clock.advance(40)  # 45 s without progress: both are past 30 s, only the head may age
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    r = wait_call(g, "second", "s2")
+    assert (r["o"], r["pos"]) == ("wait", 1)
+    assert (wait_call(g, "first", "s1")["r"]) == "aged"
+    # the aged admission reset nothing: the new head has waited 40 s without progress
+    r = wait_call(g, "second", "s2")
+    assert (r["o"], r["r"]) == ("admit", "aged")
+    # a release is progress: a third waiter now waits its own 30 s
+    script(g, "release", ticket="first")
+    assert wait_call(g, "third", "s3")["o"] == "wait"
+    busy.release()
+    clock.advance(29)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    assert wait_call(g, "third", "s3")["o"] == "wait"
+
+
+def test_a_turn_larger_than_the_ceiling_enters_once_nothing_is_charged(backend, clock):
+    # else it could enter only by aging, which waits max_wait_hard_s while other turns flow
+    g = mkgate(backend, clock, headroom=0.5, max_wait_s=30, idle_grace_s=0)
+    g.write_snapshot(engines(cap=1000, usage=0.1))  # ceiling 500
+    small = g.acquire("small", prompt_tokens=100, max_new_tokens=0)
+    assert wait_call(g, "big", "big", need=800)["r"] == "capacity_exhausted"
+    small.release()
+    r = wait_call(g, "big", "big", need=800)
+    assert (r["o"], r["r"]) == ("admit", "open")
+    assert ledger(g) == 800
+
+
+# -- the budget scale (docs/budget.md) -----------------------------------------------------
+def test_the_measured_budget_scale_sets_the_ceiling_while_fresh(backend, clock):
+    g = mkgate(backend, clock, headroom=0.5, staleness_s=6.0)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    assert g.status()["ceiling"] == 500
+    g.write_snapshot(engines(cap=1000, usage=0.1), budget_scale=3.0)
+    st = g.status()
+    assert (st["ceiling"], st["budget_scale"]) == (1500, 3.0)
+    assert g.acquire("a", prompt_tokens=1400, max_new_tokens=0).reason == "open"
+    # a snapshot without a measured scale keeps the last one until it is stale
+    clock.advance(5)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    assert g.status()["ceiling"] == 1500
+    clock.advance(1.5)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    assert (g.status()["ceiling"], g.status()["budget_scale"]) == (500, 1.0)  # the ledger of the seeds
+
+
+def test_a_fixed_budget_scale_overrides_the_measured_one(backend, clock):
+    g = mkgate(backend, clock, headroom=0.5, budget_scale=1.0)
+    g.write_snapshot(engines(cap=1000, usage=0.1), budget_scale=3.0)
+    assert (g.status()["ceiling"], g.status()["budget_scale"]) == (500, 1.0)
 
 
 class _ParkingGate(kvgate.Gate):
@@ -1065,10 +1002,10 @@ def test_held_window_revoked_ends_at_release(backend, clock):
     assert ledger(g) == 800  # old's window idles, still charged
 
 
-def test_overcommit_lets_windows_outgrow_the_pool_before_the_trim(backend, clock):
-    # overcommit 1.5: the growth that revokes a window above (1100 tokens of windows on a
-    # 1000-token pool) revokes nobody
-    g = mkgate(backend, clock, headroom=1.0, idle_grace_s=60, overcommit=1.5)
+def test_a_budget_scale_lets_windows_outgrow_the_pool_before_the_trim(backend, clock):
+    # budget scale 1.5 (fixed here; docs/budget.md): the growth that revokes a window above
+    # (1100 tokens of windows on a 1000-token pool) revokes nobody
+    g = mkgate(backend, clock, headroom=1.0, idle_grace_s=60, budget_scale=1.5)
     g.write_snapshot(engines(cap=1000, usage=0.1))
     for sid in ("old", "mid", "young"):
         g.acquire(sid, prompt_tokens=300, max_new_tokens=0).release()
@@ -1080,14 +1017,16 @@ def test_overcommit_lets_windows_outgrow_the_pool_before_the_trim(backend, clock
     g.housekeep()
     assert {k.decode() for k in g.redis.hkeys(g.key("windows"))} == {"old", "mid", "young"}
     assert ledger(g) == 1100
-    # the over-commit is for the sessions already in: a newcomer still needs room under the ceiling
-    r = script(g, "acquire", ticket="n1", session="new", need=100, probe=-2, retain=1)
-    assert (r["o"], r["r"]) == ("wait", "capacity_exhausted")
-    script(g, "cancel", ticket="n1")
-    # past 1.5x the pool the longest idle go (mid, released before young), down to 1.5x the ceiling
-    g.acquire("old", prompt_tokens=1000, max_new_tokens=0).release()  # 1600 > 1500
-    assert {k.decode() for k in g.redis.hkeys(g.key("windows"))} == {"old", "young"}
-    assert ledger(g) == 1300
+    # the scaled ceiling (1500) admits newcomers too
+    clock.advance(1)
+    lease = g.acquire("new", prompt_tokens=100, max_new_tokens=0)
+    assert (lease.outcome, lease.reason) == ("admit", "open")
+    lease.release()
+    assert ledger(g) == 1200
+    # past 1.5x the pool the longest idle go (mid, released before young), down to the ceiling
+    g.acquire("old", prompt_tokens=1000, max_new_tokens=0).release()  # 1700 > 1500
+    assert {k.decode() for k in g.redis.hkeys(g.key("windows"))} == {"old", "young", "new"}
+    assert ledger(g) == 1400
     assert int(g.redis.hget(g.key("stats"), "window_revoked")) == 1
 
 
@@ -1143,60 +1082,6 @@ def test_lifecycle_join_ignores_turns_released_by_hand(backend, clock):
     assert out["joined"] is True and out["close"]["attempts"] == 1  # one engine URL in the snapshot
 
 
-# -- growth_reserve: a window reserves room for the history it will re-send ------------
-def test_growth_reserve_window_charges_its_floor(backend, clock):
-    g = mkgate(backend, clock, growth_reserve=3.0, idle_grace_s=60)
-    g.write_snapshot(engines(cap=1000, usage=0.1))  # ceiling 900
-    lease = g.acquire("s", prompt_tokens=80, max_new_tokens=20)
-    assert (lease.reason, lease.tokens) == ("open", 0)  # the charge is the window's
-    assert ledger(g) == 300  # 100 x 3
-    lease.release()
-    assert ledger(g) == 300  # idle, still charged at its floor
-    g.acquire("s", prompt_tokens=180, max_new_tokens=20).release()
-    assert ledger(g) == 300  # grew to 200: inside the floor
-    g.acquire("s", prompt_tokens=380, max_new_tokens=20).release()
-    assert ledger(g) == 400  # outgrew it: charged at its need
-    g.finish_session("s")
-    assert ledger(g) == 0
-
-
-def test_growth_reserve_admits_fewer_sessions(backend, clock):
-    g = mkgate(backend, clock, growth_reserve=3.0, headroom=1.0)
-    g.write_snapshot(engines(cap=1000, usage=0.1))  # ceiling 1000
-    for sid in ("a", "b", "c"):
-        assert g.acquire(sid, prompt_tokens=100, max_new_tokens=0).reason == "open"  # 300 each
-    r = script(g, "acquire", ticket="d", session="d", need=100, probe=-2, retain=1)
-    assert (r["o"], r["r"]) == ("wait", "capacity_exhausted")  # 900 + 300 > 1000
-    # a turn that opens no window (retain_session=False) is checked at its own size
-    r = script(g, "acquire", ticket="e", session="e", need=100, probe=-2, retain=0)
-    assert (r["o"], r["r"]) == ("wait", "queued")  # it fits, but d is older
-    script(g, "cancel", ticket="e")
-    g.finish_session("a")  # frees 300: the head enters with its floor
-    assert json_lease(g, "d")["w"] == 1 and ledger(g) == 900
-    script(g, "cancel", ticket="d")
-    # without growth_reserve the same four sessions fit at once
-    g1 = kvgate.Gate(backend(), gate="g2", config=kvgate.GateConfig(**{**FAST, "headroom": 1.0, "growth_reserve": 1.0}), clock_ms=clock)
-    g1.write_snapshot(engines(cap=1000, usage=0.1))
-    assert [g1.acquire(s, prompt_tokens=100, max_new_tokens=0).reason for s in "abcd"] == ["open"] * 4
-
-
-def test_growth_reserve_floor_is_capped_by_the_ceiling(backend, clock):
-    g = mkgate(backend, clock, growth_reserve=4.0, headroom=0.5)
-    g.write_snapshot(engines(cap=1000, usage=0.1))  # ceiling 500
-    lease = g.acquire("big", prompt_tokens=200, max_new_tokens=0)  # 800 > 500: floor is 500
-    assert lease.reason == "open" and ledger(g) == 500
-    lease.release()
-    g.finish_session("big")
-    assert ledger(g) == 0
-
-
-def test_growth_reserve_needs_admission(backend, clock):
-    g = mkgate(backend, clock, growth_reserve=3.0, admission=False)
-    g.write_snapshot(engines(cap=1000, usage=0.9))  # residency alone opens windows under pressure
-    g.acquire("s", prompt_tokens=100, max_new_tokens=0).release()
-    assert g.redis.hexists(g.key("windows"), "s") and ledger(g) == 100  # no ledger to reserve in
-
-
 def json_lease(gate, ticket):
     import json
     raw = gate.redis.hget(gate.key("leases"), ticket)
@@ -1204,19 +1089,14 @@ def json_lease(gate, ticket):
     return json.loads(raw)
 
 
-def test_without_growth_reserve_a_window_follows_a_shrinking_prompt(backend, clock):
-    # growth_reserve 1 (the default) keeps the spec's reservation: a context reset shrinks it
+def test_a_window_follows_a_shrinking_prompt(backend, clock):
+    # the spec's reservation: a context reset shrinks the window's charge
     g = mkgate(backend, clock, idle_grace_s=60)
     g.write_snapshot(engines(cap=10_000, usage=0.1))
     g.acquire("s", prompt_tokens=800, max_new_tokens=0).release()
     assert ledger(g) == 800
     g.acquire("s", prompt_tokens=100, max_new_tokens=0).release()
     assert ledger(g) == 100
-    g3 = kvgate.Gate(backend(), gate="g3", config=kvgate.GateConfig(**{**FAST, "growth_reserve": 3.0}), clock_ms=clock)
-    g3.write_snapshot(engines(cap=10_000, usage=0.1))
-    g3.acquire("s", prompt_tokens=800, max_new_tokens=0).release()
-    g3.acquire("s", prompt_tokens=100, max_new_tokens=0).release()
-    assert int(g3.redis.hget(g3.key("ledger"), "reserved")) == 2400  # the floor stays
 
 
 def test_attempt_back_from_its_probe_does_not_preempt_a_newer_one(backend, clock):
@@ -1297,12 +1177,10 @@ def test_residency_alone_opens_no_window_below_the_watermark_by_rule7(backend, c
 
 
 def test_a_waiter_ages_from_when_its_attempt_began(backend, clock):
-    # the caller counts max_wait_s from its first call; a probe round trip before it enqueued
-    # counts too, so the script ages it at the same moment instead of 0.5 s later (during
-    # which the caller would re-check every 10 ms)
+    # a probe round trip before the attempt enqueued counts as waiting: its stall is measured
+    # from when it began, as the caller's own deadline is
     g = mkgate(backend, clock)  # max_wait_s 2
     g.write_snapshot(engines(usage=0.88))
-    assert script(g, "acquire", ticket="O", session="o", need=10, probe=0.0)["o"] == "wait"  # someone older
     r = script(g, "acquire", ticket="A", session="s", need=10, probe=-1)
     assert r["o"] == "probe"
     clock.advance(0.5)
@@ -1312,7 +1190,7 @@ def test_a_waiter_ages_from_when_its_attempt_began(backend, clock):
     assert script(g, "acquire", ticket="A", session="s", need=10, probe=-2)["o"] == "wait"
     clock.advance(0.6)  # 2.1 s since A began, 1.6 s since it enqueued
     r = script(g, "acquire", ticket="A", session="s", need=10, probe=-2)
-    assert (r["o"], r["r"]) == ("bypass", "aged")  # (retain off: aged means bypass)
+    assert (r["o"], r["r"]) == ("admit", "aged")
 
 
 def test_a_peek_at_step_metrics_keeps_this_process_counts(backend):

@@ -16,7 +16,11 @@ checked:
   admitted is only ever answered with that same lease (rule 4);
 - FIFO: a ticket granted ``open`` never leaves a waiter with a smaller sequence behind; a
   new attempt enters at the back, or at the place of the attempt it supersedes (only
-  while its successor is undecided); no waiter is told to wait once it waited max_wait_s;
+  while its successor is undecided);
+- aging (SPEC 8): the FIFO head is never told to keep waiting once it waited
+  max_wait_hard_s, or once the gate made no progress for max_wait_s (progress as the model
+  sees it: a lease granted other than by aging, a lease gone, a window ended); and no turn
+  is admitted ``aged`` before that;
 - waiters / fifo / alive / session_waiter agree with each other, at most one waiting
   attempt per session;
 - leases and lease_exp hold the same tickets; idle windows are exactly those in
@@ -37,6 +41,7 @@ prints the failing step sequence and a ``@reproduce_failure`` blob.
 from __future__ import annotations
 
 import json
+import math
 import os
 import uuid
 from collections import Counter
@@ -111,6 +116,16 @@ class GateState:
         return (ts is not None and int(self.snap.get("n_healthy", 0)) > 0
                 and now - int(ts) <= stale_ms)
 
+    def scale(self, now: int, stale_ms: int, fixed: float | None) -> float:
+        """The budget scale the scripts use (docs/budget.md): the fixed knob, else the measured
+        one while fresh, else 1."""
+        if fixed is not None:
+            return fixed
+        ts = self.snap.get("budget_ts_ms")
+        if ts is not None and now - int(ts) <= stale_ms and float(self.snap.get("budget_scale", 0)) > 0:
+            return float(self.snap["budget_scale"])
+        return 1.0
+
 
 class GateMachine(RuleBasedStateMachine):
     URL: str = ""
@@ -133,17 +148,18 @@ class GateMachine(RuleBasedStateMachine):
         self.preempted_by: dict[str, str] = {}  # preempted attempt -> the attempt that superseded it
         self.in_hypothesis = True                # False when a test drives the model by hand
         self.state: GateState | None = None
+        self.last_progress: int | None = None   # the model's own record of the gate's progress
 
     # -- setup / teardown ------------------------------------------------------------------
     @initialize(features=st.sampled_from([(True, True), (True, False), (False, True)]),
                 grace=st.sampled_from([0.0, 2.0]), has_probe=st.booleans(),
                 usage=st.sampled_from([None, 0.1, 0.86, 0.95]), cap=st.sampled_from([1000, 2000, 4000]),
-                growth=st.sampled_from([1.0, 1.0, 2.5]), overcommit=st.sampled_from([1.0, 1.0, 1.5]))
-    def setup(self, features, grace, has_probe, usage=None, cap=2000, growth=1.0, overcommit=1.0):
+                scale=st.sampled_from([None, None, 1.5]))
+    def setup(self, features, grace, has_probe, usage=None, cap=2000, scale=None):
         adm, res = features
         self.cfg = kvgate.GateConfig(admission=adm, residency=res, idle_grace_s=grace, wait_poll_s=1.0,
-                                     max_wait_s=2.0, lease_ttl_s=10.0, staleness_s=30.0, reap_batch=8,
-                                     growth_reserve=growth, overcommit=overcommit)
+                                     max_wait_s=2.0, max_wait_hard_s=6.0, lease_ttl_s=10.0, staleness_s=30.0,
+                                     reap_batch=8, budget_scale=scale)
         self.has_probe = has_probe and res
         self.gate = kvgate.Gate(self.r, gate=f"st-{uuid.uuid4().hex[:10]}", config=self.cfg,
                                 clock_ms=lambda: self.now)
@@ -193,6 +209,15 @@ class GateMachine(RuleBasedStateMachine):
                 assert l["t"] == pre.leases[t]["t"] and l["s"] == pre.leases[t]["s"], (t, pre.leases[t], l)
         self.check_fifo_order(pre, post, new, params if script == "acquire" else None)
         self.track_windows(pre, post, new)
+        # the gate's progress (SPEC 4), derived from the state, not read from the scripts
+        gone = [t for t in pre.leases if t not in post.leases or t in new]
+        ended = [s_ for s_, w in pre.windows.items()
+                 if s_ not in post.windows or post.windows[s_]["id"] != w["id"]]
+        if gone or ended or any(post.leases[t]["r"] != "aged" for t in new):
+            self.last_progress = self.now
+        recorded = post.ledger.get("progress_ms")
+        assert (int(recorded) if recorded is not None else None) == self.last_progress, (
+            script, params, recorded, self.last_progress)
 
     def fair_place(self, pre: GateState, post: GateState, acq: dict) -> float | None:
         """The FIFO place (sequence) a new attempt may take: the place of the session's older
@@ -268,10 +293,6 @@ class GateMachine(RuleBasedStateMachine):
         assert s.reserved == own + win, (s.reserved, own, win, s.leases, s.windows)
         assert all(l["t"] >= 0 for l in s.leases.values())
         assert all(w["t"] >= 0 for w in s.windows.values())
-        # growth_reserve: a window never charges less than its floor, and only keeps one above 1.0
-        assert all(w["t"] >= w.get("f", 0) for w in s.windows.values()), s.windows
-        if self.cfg.growth_reserve == 1.0:
-            assert not any("f" in w for w in s.windows.values()), s.windows
         assert s.total("ledger_clamped") == 0, "the ledger was clamped at zero (a double give-back)"
 
     @invariant()
@@ -357,10 +378,7 @@ class GateMachine(RuleBasedStateMachine):
             assert (o, out["r"]) == ("bypass", "degraded"), out
         if ticket in self.seen_admit:
             assert o == "admit" and held, f"admitted ticket {ticket} answered {out}"
-        if w is not None and w["st"] == "w" and pre.alive[ticket] > self.now:
-            # no waiter is told to keep waiting once it waited max_wait_s (it bypasses "aged")
-            if self.now - w["e"] >= int(self.cfg.max_wait_s * 1000):
-                assert o not in ("wait", "probe"), (out, w, self.now)
+        self.check_aging(pre, ticket, w, out)
         # the model follows the answer
         self.waiting.discard(ticket)
         self.probing.discard(ticket)
@@ -388,6 +406,25 @@ class GateMachine(RuleBasedStateMachine):
                 (out, rec)
         return out
 
+    def check_aging(self, pre: GateState, ticket: str, w: dict | None, out: dict) -> None:
+        """SPEC 8: the head ages once the gate made no progress for max_wait_s, or once it
+        waited max_wait_hard_s; nobody ages before that."""
+        live = {t: q for t, q in pre.fifo.items() if pre.alive.get(t, 0) > self.now}
+        head = min(live, key=live.get) if live else None
+        due = False
+        if w is not None and w["st"] == "w" and ticket == head:
+            since = w.get("b", w["e"])
+            stall_from = max(since, self.last_progress if self.last_progress is not None else since)
+            due = (self.now - since >= int(self.cfg.max_wait_hard_s * 1000)
+                   or self.now - stall_from >= int(self.cfg.max_wait_s * 1000))
+        # progress made inside this very call (the bounded reap freed a lease or a window
+        # before the decision) restarts the stall: the head may then rightly keep waiting
+        reaped = self.last_progress == self.now
+        if due and not reaped:
+            assert out["o"] not in ("wait", "probe"), (out, w, self.now, self.last_progress)
+        if out["o"] == "admit" and out["r"] == "aged" and ticket not in pre.leases:
+            assert due, f"{ticket} aged early: {out}, waiter {w}, now {self.now}, progress {self.last_progress}"
+
     @rule(session=st.sampled_from(SESSIONS), need=st.integers(1, 1500), retain=st.booleans(),
           protected=st.sampled_from([False] * 9 + [True]),
           probe=st.one_of(st.just(None), st.floats(0.0, 1.0), st.sampled_from([0.0, 0.9, 1.0])))
@@ -405,9 +442,10 @@ class GateMachine(RuleBasedStateMachine):
         self.acquire(ticket, -1 if self.has_probe else -2)
 
     @precondition(lambda self: self.waiting)
-    @rule(data=st.data(), ms=st.integers(200, 1500))
+    @rule(data=st.data(), ms=st.one_of(st.integers(200, 1500), st.integers(1500, 2500)))
     def poll_cycle(self, data, ms):
-        """A waiter's poll: time passes, then it re-checks (reaches aging at max_wait_s)."""
+        """A waiter's poll: time passes, then it re-checks (a poll of up to 2.5 s keeps it
+        alive, liveness 3 s, and can cross max_wait_s, 2 s, in one step)."""
         self.advance_time(ms)
         self.recheck_waiting(data)
 
@@ -471,12 +509,13 @@ class GateMachine(RuleBasedStateMachine):
 
     @rule(healthy=st.lists(st.booleans(), min_size=3, max_size=3),
           caps=st.lists(st.sampled_from([1000, 2000, 4000]), min_size=3, max_size=3),
-          usage=st.one_of(st.sampled_from([0.0, 0.5, 0.84, 0.86, 0.9, 0.93, 1.0]), st.floats(0.0, 1.0)))
-    def write_snapshot(self, healthy, caps, usage):
+          usage=st.one_of(st.sampled_from([0.0, 0.5, 0.84, 0.86, 0.9, 0.93, 1.0]), st.floats(0.0, 1.0)),
+          measured=st.sampled_from([None, None, 0.5, 1.0, 2.5]))
+    def write_snapshot(self, healthy, caps, usage, measured=None):
         pre = self.state
         engines = [kvgate.EngineState(e, capacity_tokens=c, usage=usage, healthy=h, url=e)
                    for e, c, h in zip(ENGINE_IDS, caps, healthy)]
-        params = self.gate._snapshot_params(engines)
+        params = self.gate._snapshot_params(engines, measured)
         out = self.call("write_snapshot", **params)
         sig = "\n".join(sorted(e for e, h in zip(ENGINE_IDS, healthy) if h))
         old = pre.snap.get("healthy_sig")
@@ -492,15 +531,17 @@ class GateMachine(RuleBasedStateMachine):
         post = self.state
         if (self.cfg.admission and self.cfg.residency and post.window_order is not None
                 and post.fresh(self.now, int(self.cfg.staleness_s * 1000)) and limit >= len(pre.windows)):
-            # an over-committed ledger (past overcommit x the engines' capacity: hysteresis) is
-            # trimmed (idle windows longest idle first, then held ones youngest first) down to
-            # overcommit x the ceiling; the oldest window always stays. So once trimming started, either what is left after the revoked
-            # windows end fits that, or every window but the oldest is revoked
+            # an over-committed ledger (past the budget scale x the engines' capacity: hysteresis)
+            # is trimmed (idle windows longest idle first, then held ones youngest first) down to
+            # the ceiling (capacity x headroom x scale); the oldest window always stays. So once
+            # trimming started, either what is left after the revoked windows end fits that, or
+            # every window but the oldest is revoked
             cap = int(post.snap["capacity"])
-            ceiling = int(int(cap * self.cfg.headroom) * self.cfg.overcommit)
+            scale = post.scale(self.now, int(self.cfg.staleness_s * 1000), self.cfg.budget_scale)
+            ceiling = math.floor(cap * self.cfg.headroom * scale)
             newly_rv = any(w.get("rv") == 1 and pre.windows.get(s_, {}).get("rv") != 1
                            for s_, w in post.windows.items())
-            if post.reserved > cap * self.cfg.overcommit or out["revoked"] > 0 or newly_rv:
+            if post.reserved > cap * scale or out["revoked"] > 0 or newly_rv:
                 revoked = sum(w["t"] for w in post.windows.values() if w.get("rv") == 1)
                 oldest = min(post.window_order, key=post.window_order.get) if post.window_order else None
                 rest = [s_ for s_, w in post.windows.items() if w.get("rv") != 1 and s_ != oldest]
@@ -514,6 +555,9 @@ class GateMachine(RuleBasedStateMachine):
         assert out["reserved"] == s.reserved and out["epoch"] == s.epoch
         assert out["leases"] == len(s.leases) and out["waiting"] == len(s.fifo)
         assert out["windows"] == len(s.windows)
+        scale = s.scale(self.now, int(self.cfg.staleness_s * 1000), self.cfg.budget_scale)
+        assert out["budget_scale"] == pytest.approx(scale)
+        assert out["ceiling"] == math.floor(int(s.snap.get("capacity", 0)) * self.cfg.headroom * scale)
 
     @rule()
     def bump_epoch(self):
@@ -641,7 +685,7 @@ def test_a_place_held_for_a_probing_retry(redis_url, then):
     GateMachine.URL = redis_url
     m = GateMachine()
     m.in_hypothesis = False
-    m.setup(features=(True, True), grace=0.0, has_probe=True, usage=0.86, cap=1000, growth=1.0, overcommit=1.0)
+    m.setup(features=(True, True), grace=0.0, has_probe=True, usage=0.86, cap=1000)
 
     def acq(probe):
         return lambda: m.acquire_new(need=1, probe=probe, protected=False, retain=False, session="s0")
@@ -654,3 +698,34 @@ def test_a_place_held_for_a_probing_retry(redis_url, then):
     _run_steps(m, steps)
     if then == "cancel_the_prober_then_retry":
         assert m.state.fifo.get("t002") == 1.0  # the session's place, not the back
+
+
+def test_a_waiter_behind_the_head_does_not_age_first(redis_url):
+    # the model's aging check (SPEC 8) on a fixed sequence: two waiters stall past
+    # max_wait_s; the one behind the head re-checks first and must keep waiting; the head
+    # then ages, and the next head right after (an aged admission is not progress)
+    GateMachine.URL = redis_url
+    m = GateMachine()
+    m.in_hypothesis = False
+    m.setup(features=(True, False), grace=0.0, has_probe=False, usage=0.1, cap=1000)
+
+    def acq(session, need):
+        return lambda: m.acquire_new(session=session, need=need, retain=False, protected=False, probe=None)
+
+    _run_steps(m, [
+        acq("s0", 2500),                                   # fills the ledger (3 x 1000 x 0.9)
+        acq("s1", 400), acq("s2", 400),                    # wait, s1 at the head
+        lambda: m.poll_cycle(data=_Pick("t002"), ms=2500),  # s2 re-checks first: it must wait
+        lambda: _assert_answer(m, "t002", "wait"),
+        lambda: m.recheck_waiting(data=_Pick("t001")),     # the head ages
+        lambda: _assert_answer(m, "t001", "admit"),
+        lambda: m.recheck_waiting(data=_Pick("t002")),     # and then the new head, at once
+        lambda: _assert_answer(m, "t002", "admit"),
+    ])
+
+
+def _assert_answer(m: GateMachine, ticket: str, outcome: str) -> None:
+    if outcome == "wait":
+        assert ticket in m.waiting, (ticket, m.state.fifo)
+    else:
+        assert ticket in m.held and m.state.leases[ticket]["r"] == "aged", (ticket, m.state.leases)

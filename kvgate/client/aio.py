@@ -420,8 +420,8 @@ class AsyncGate(GateBase):
         return int(v or 0)
 
     # -- snapshots and housekeeping --------------------------------------------------------
-    async def write_snapshot(self, engines: Sequence[EngineState]) -> SnapshotResult:
-        params = self._snapshot_params(engines)
+    async def write_snapshot(self, engines: Sequence[EngineState], budget_scale: float | None = None) -> SnapshotResult:
+        params = self._snapshot_params(engines, budget_scale)
         self._bind_loop()
         raw = await self._scripts["write_snapshot"](keys=self._keys, args=self._args(params))
         return self._snapshot_result(self._decode(raw))

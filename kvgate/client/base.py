@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import json
 import logging
 import os
@@ -265,13 +266,19 @@ class GateBase:
         return json.loads(raw)
 
     @staticmethod
-    def _snapshot_params(engines: Sequence[EngineState]) -> dict:
+    def _snapshot_params(engines: Sequence[EngineState], budget_scale: float | None = None) -> dict:
         if isinstance(engines, EngineState) or not all(isinstance(e, EngineState) for e in engines):
             raise ValueError("write_snapshot takes a list of kvgate.EngineState")
         ids = [e.engine_id for e in engines]
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate engine ids in snapshot: {sorted(ids)}")
-        return {"engines": [e.to_script() for e in engines]}
+        params: dict = {"engines": [e.to_script() for e in engines]}
+        if budget_scale is not None:
+            if (isinstance(budget_scale, bool) or not isinstance(budget_scale, (int, float))
+                    or not math.isfinite(budget_scale) or budget_scale <= 0):
+                raise ValueError(f"budget_scale must be a finite number > 0, got {budget_scale!r}")
+            params["measured_scale"] = float(budget_scale)
+        return params
 
     @staticmethod
     def _snapshot_result(r: dict) -> SnapshotResult:
@@ -292,7 +299,7 @@ class GateBase:
         def txt(v: Any) -> Any:
             return v.decode() if isinstance(v, bytes) else v
         cap = int(raw.get("capacity", 0) or 0)
-        ceiling = int(cap * self.config.effective("headroom"))  # never an unchecked one
+        ceiling = int(raw.get("ceiling", 0) or 0)  # capacity x headroom x the budget scale
         reserved = int(raw.get("reserved", 0) or 0)
         age_ms = float(raw.get("snapshot_age_ms", -1))
         age = age_ms / 1000.0 if age_ms >= 0 else None
@@ -307,9 +314,6 @@ class GateBase:
         pst = float(raw.get("prefill_s_per_token", -1))
         pl = float(raw.get("prefill_load", -1))
         gap = float(raw.get("tool_gap_s", -1))
-        # what wait_cost_pool compares with the tool gap: refilling each engine's share of the
-        # ledger's pool cold (lua/includes/state.lua, cost_wait_ms)
-        refill = pst * ceiling / max(1, int(raw.get("n_healthy", 0) or 0)) if pst >= 0 else None
         return {
             "gate": self.name, "reserved": reserved, "ceiling": ceiling, "capacity": cap,
             "available": max(0, ceiling - reserved), "usage": float(raw.get("usage", 0) or 0),
@@ -317,7 +321,8 @@ class GateBase:
             "leases": int(raw.get("leases", 0)), "windows": int(raw.get("windows", 0)),
             "snapshot_age_s": age, "degraded": not fresh, "hit_rate": hit if hit >= 0 else None,
             "prefill_s_per_token": pst if pst >= 0 else None, "prefill_load": pl if pl >= 0 else None,
-            "tool_gap_s": gap if gap >= 0 else None, "pool_refill_s": refill,
+            "tool_gap_s": gap if gap >= 0 else None,
+            "budget_scale": float(raw.get("budget_scale", 1) or 1),
             "preempted_sessions": int(raw.get("preempted_sessions", 0) or 0),
             "preempted_max": int(raw.get("preempted_max", 0) or 0),
             "engines": engines, "fifo_head": [txt(t) for t, _ in head],

@@ -147,9 +147,9 @@ def knob_params(cfg: GateConfig, channel: str) -> dict:
         "ttl_ms": int(cfg.lease_ttl_s * 1000), "grace_ms": int(cfg.idle_grace_s * 1000),
         # a waiter re-checks at least every wait_poll_s: two missed polls mean it is gone
         "alive_ms": 2 * wait_ms + 1000, "claim_ms": 2 * wait_ms + 1000,
-        "max_wait_ms": int(cfg.max_wait_s * 1000), "wcr": cfg.wait_cost_ratio, "wcl": cfg.wait_cost_load,
-        "wcg": cfg.wait_cost_gap, "wcp": cfg.wait_cost_pool,
-        "gr": eff("growth_reserve"), "oc": eff("overcommit"), "reap": cfg.reap_batch, "ch": channel,
+        "max_wait_ms": int(cfg.max_wait_s * 1000), "max_wait_hard_ms": int(cfg.max_wait_hard_s * 1000),
+        "budget_scale": cfg.budget_scale if cfg.budget_scale is not None else -1,
+        "reap": cfg.reap_batch, "ch": channel,
     }
 
 
@@ -163,9 +163,9 @@ def acquire_flow(cfg: GateConfig, req: TurnRequest, knobs: dict, has_probe: bool
     if passes_through(cfg, req):
         return Decision("pass", "")
     start = clock()
-    # the scripts age waiters by the Redis clock; this local bound is the safety net that
-    # keeps "no wait past max_wait_s + one poll" even if that clock misbehaves
-    hard_deadline = start + cfg.max_wait_s + cfg.wait_poll_s
+    # the scripts age the FIFO head by the Redis clock; this local bound is the safety net
+    # that keeps "no wait past max_wait_hard_s + one poll" even if that clock misbehaves
+    hard_deadline = start + cfg.max_wait_hard_s + cfg.wait_poll_s
     no_probe = -2
     params = dict(knobs, ticket=req.ticket, session=req.session_id, need=req.need,
                   protected=1 if req.protected else 0, retain=1 if req.retain else 0,
@@ -215,10 +215,8 @@ def acquire_flow(cfg: GateConfig, req: TurnRequest, knobs: dict, has_probe: bool
                 yield from _cancel(req)
                 raise AdmissionTimeout(f"turn of session {req.session_id!r} waited {now - start:.3f}s "
                                        f"(timeout_s={req.timeout_s})")
-            left = max(0.0, cfg.max_wait_s - (now - start))
-            if "mw" in r and "w" in r:  # the script's bound (sooner when re-prefill is cheap)
-                left = min(left, max(0.0, (float(r["mw"]) - float(r["w"])) / 1000.0))
-            timeout = min(cfg.wait_poll_s, left + 0.01)
+            # re-check every poll: the head may age (no progress for max_wait_s) at any time
+            timeout = min(cfg.wait_poll_s, max(0.0, hard_deadline - now) + 0.01)
             if req.timeout_s is not None:
                 timeout = min(timeout, max(0.0, req.timeout_s - (now - start)) + 0.001)
             ev = yield Wait(timeout)

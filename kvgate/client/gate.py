@@ -452,11 +452,11 @@ class Gate(GateBase):
         return int(v or 0)
 
     # -- snapshots and housekeeping --------------------------------------------------------
-    def write_snapshot(self, engines: Sequence[EngineState]) -> SnapshotResult:
+    def write_snapshot(self, engines: Sequence[EngineState], budget_scale: float | None = None) -> SnapshotResult:
         """Store a capacity snapshot (atomically); a change of the healthy set bumps the
         epoch. Raises ValueError for bad input and redis errors as they are (the poller
         reports them)."""
-        params = self._snapshot_params(engines)
+        params = self._snapshot_params(engines, budget_scale)
         raw = self._scripts["write_snapshot"](keys=self._keys, args=self._args(params))
         return self._snapshot_result(self._decode(raw))
 

@@ -53,15 +53,14 @@ def build_step_metrics(raw: dict | None, config: Any, local: dict) -> dict[str, 
     granted = _f(st, "wait_granted")
     m[P + "admission/wait_seconds_mean"] = (_f(st, "wait_ms_sum") / 1000.0 / granted) if granted else 0.0
     if raw is not None:
-        cap = float(raw.get("capacity", 0) or 0)
-        # the headroom the gate uses: with admission off an unchecked one is never used
-        headroom = config.effective("headroom") if hasattr(config, "effective") else config.headroom
-        ceiling = float(int(cap * headroom))
+        # the ceiling the scripts admit against: capacity x headroom x the budget scale
+        ceiling = float(raw.get("ceiling", 0) or 0)
         reserved = float(raw.get("reserved", 0) or 0)
         age = float(raw.get("snapshot_age_ms", -1))
         fresh = 0 <= age <= config.staleness_s * 1000 and float(raw.get("n_healthy", 0)) > 0
         m[P + "admission/waiting"] = float(raw.get("waiting", 0))
         m[P + "budget/ceiling"] = ceiling
+        m[P + "budget/scale"] = float(raw.get("budget_scale", 1) or 1)
         m[P + "budget/reserved"] = reserved
         m[P + "budget/available_tokens"] = max(0.0, ceiling - reserved)
         m[P + "budget/reserved_utilization"] = reserved / ceiling if ceiling else 0.0

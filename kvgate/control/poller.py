@@ -74,9 +74,8 @@ PREFILL_LOAD_WINDOW_S = 2.0
 # advance, trim, staleness, lease and window times): logged at start and in status(), since a
 # poller running with other values than the clients grants FIFO heads by its own
 WRITE_KNOBS = ("admission", "residency", "headroom", "pressure_threshold", "high_watermark",
-               "overcommit", "growth_reserve", "staleness_s", "lease_ttl_s", "idle_grace_s",
-               "wait_poll_s", "max_wait_s", "wait_cost_ratio", "wait_cost_load", "wait_cost_gap",
-               "wait_cost_pool", "reap_batch")
+               "budget_scale", "staleness_s", "lease_ttl_s", "idle_grace_s",
+               "wait_poll_s", "max_wait_s", "max_wait_hard_s", "reap_batch")
 
 _monotonic = time.monotonic  # the poller's own clock for its lease (tests replace it)
 

@@ -74,13 +74,11 @@ def render_status(status: Mapping, *, leader: str | None = None, title: str | No
         load = s.get("prefill_load")
         head.add_row("prefill cost", f"{float(s['prefill_s_per_token']) * 1e6:.1f} us/token (slowest engine)"
                      + ("" if load is None else f", load {float(load):.2f} (busiest)"))
-    refill, gap = s.get("pool_refill_s"), s.get("tool_gap_s")
+    gap = s.get("tool_gap_s")
     if gap is not None:
         head.add_row("tool gap", f"{float(gap):.3f} s (typical time between a session's turns)")
-    if refill is not None:
-        head.add_row("pool refill", f"{float(refill):.3f} s cold per engine"
-                     + (f", {float(refill) / float(gap):.1f} tool gaps (waits shorten at or below "
-                        f"wait_cost_pool)" if gap else ""))
+    if s.get("budget_scale") is not None:
+        head.add_row("budget scale", f"{float(s['budget_scale']):.2f} x the pool's ceiling (docs/budget.md)")
     head.add_row("fifo waiting", str(s.get("waiting", 0)))
     head.add_row("leases", str(s.get("leases", 0)))
     head.add_row("windows", str(s.get("windows", 0)))

@@ -4,10 +4,11 @@
   Every kvgate script receives the same 14 KEYS (all under one hash tag, so a gate lives
   in one Redis Cluster slot):
     KEYS[1]  ledger        HASH   reserved (tokens), epoch, seq (FIFO sequence counter),
-                                  wseq (window id counter), lgap (EWMA of log tool gap, s),
-                                  ngap (gaps reported)
+                                  wseq (window id counter), progress_ms (the gate's last
+                                  progress), lgap (EWMA of log tool gap, s), ngap (gaps reported)
     KEYS[2]  snapshot      HASH   ts_ms, capacity, usage, n_engines, n_healthy, healthy_sig,
-                                  hit_rate, prefill_s_per_token, prefill_load, engines (JSON)
+                                  hit_rate, prefill_s_per_token, prefill_load, engines (JSON),
+                                  budget_scale, budget_ts_ms (the poller's measured budget)
     KEYS[3]  fifo          ZSET   ticket -> FIFO sequence number (strict order)
     KEYS[4]  waiters       HASH   ticket -> JSON {s=session, n=need tokens, e=enqueued ms,
                                   b=began ms (if before e), r=retain, q=FIFO place passed on,
@@ -19,8 +20,7 @@
                                   e=enqueued ms, r=reason,
                                   ep=epoch, c=1 while a FIFO grant is unclaimed}
     KEYS[8]  lease_exp     ZSET   ticket -> lease expiry (ms)
-    KEYS[9]  windows       HASH   session -> JSON {id=window id, t=charged tokens, f=floor
-                                  (growth_reserve x the need it opened with), h=holders, ep=epoch,
+    KEYS[9]  windows       HASH   session -> JSON {id=window id, t=charged tokens, h=holders, ep=epoch,
                                   rv=1 when it is to end at its release (revoked while held),
                                   x=idle-grace expiry ms (0 while held)}
     KEYS[10] window_exp    ZSET   session -> idle-grace expiry (ms), idle windows only
@@ -107,6 +107,17 @@ local function charge(delta)
     r = 0
   end
   redis.call("HSET", K.ledger, "reserved", I(r))
+end
+
+-- the gate made progress (SPEC 4): an admission other than by aging, a FIFO grant, a lease
+-- released or reclaimed, a window ended. The FIFO head ages only after max_wait_s without any.
+local function progress()
+  redis.call("HSET", K.ledger, "progress_ms", I(NOW))
+end
+
+-- when the gate last made progress (ms), or nil if it never did
+local function last_progress()
+  return tonumber(redis.call("HGET", K.ledger, "progress_ms"))
 end
 
 local function epoch()

@@ -2,31 +2,42 @@
   state.lua: snapshot reading, the fit test, lease/window/waiter transitions, bounded
   reaping and FIFO advance. Needs common.lua. Parameters read from P (the caller's knobs):
     adm (0/1 admission on), res (0/1 residency on), hw (high_watermark), pt (pressure_threshold),
-    headroom, oc (overcommit: how far windows may outgrow the pool before the trim),
+    headroom, budget_scale (a fixed budget scale, or -1: the snapshot's measured one),
     stale_ms (staleness), grace_ms (idle_grace), ttl_ms (lease TTL),
     claim_ms (how long a FIFO grant waits to be claimed), reap (max items per reap pass).
 ]]
 
--- the latest snapshot: fresh (bool), usage (0..1), capacity (tokens), ceiling (tokens),
--- nh (healthy engines), pst (prefill s per uncached token), pl (prefill load); -1: not measured
+-- the latest snapshot: fresh (bool), usage (0..1), capacity (tokens), nh (healthy engines),
+-- scale (the budget scale in use) and ceiling (tokens: capacity x headroom x scale).
+-- The budget scale is how far the held sessions may over-commit the pool (docs/budget.md):
+-- the caller's fixed budget_scale when it sets one, else the one the poller's controller
+-- measured, while that is fresher than staleness; else 1, the ledger of the seeds.
 local function snapshot()
   local v = redis.call("HMGET", K.snapshot, "ts_ms", "usage", "capacity", "n_healthy",
-    "prefill_s_per_token", "prefill_load")
+    "budget_scale", "budget_ts_ms")
   local ts = tonumber(v[1])
   local s = { fresh = false, usage = num(v[2], 0), capacity = num(v[3], 0), ceiling = 0,
-    nh = num(v[4], 0), pst = num(v[5], -1), pl = num(v[6], -1) }
-  if ts ~= nil and s.nh > 0 and (NOW - ts) <= num(P.stale_ms, 6000) then
+    nh = num(v[4], 0), scale = 1 }
+  if ts ~= nil and s.nh > 0 and (NOW - ts) <= P.stale_ms then
     s.fresh = true
   end
-  s.ceiling = math.floor(s.capacity * num(P.headroom, 0.9))
+  if P.budget_scale > 0 then
+    s.scale = P.budget_scale
+  else
+    local bts = tonumber(v[6])
+    if bts ~= nil and (NOW - bts) <= P.stale_ms and num(v[5], 0) > 0 then s.scale = tonumber(v[5]) end
+  end
+  s.ceiling = math.floor(s.capacity * P.headroom * s.scale)
   return s
 end
 
--- why a turn of `need` tokens may not enter by rule 6 (nil: it fits)
+-- why a turn of `need` tokens may not enter by rule 6 (nil: it fits). A turn larger than the
+-- whole ceiling fits once nothing else is charged: else it could enter only by aging, and
+-- while other turns flow aging waits for max_wait_hard_s
 local function block_reason(snap, need)
   if P.adm == 1 then
     if snap.usage >= P.pt then return "pressure_guard" end
-    if reserved() + need > snap.ceiling then return "capacity_exhausted" end
+    if reserved() + math.min(need, snap.ceiling) > snap.ceiling then return "capacity_exhausted" end
   end
   if P.res == 1 and snap.usage >= P.hw then return "cold_prefix" end
   return nil
@@ -51,6 +62,7 @@ local function end_window(session, win)
   redis.call("HDEL", K.windows, session)
   redis.call("ZREM", K.window_exp, session)
   redis.call("ZREM", K.window_order, session)
+  progress()
   -- leases still running under it (finish_session mid-turn) hold no charge of their own,
   -- so their later release gives back nothing: the window's charge is returned once, here
   charge(-win.t)
@@ -63,12 +75,12 @@ local function window_idle(session, win)
     stat("window_revoked")
     return
   end
-  if num(P.grace_ms, 60000) <= 0 then
+  if P.grace_ms <= 0 then
     end_window(session, win)
     return
   end
   win.h = 0
-  win.x = NOW + num(P.grace_ms, 60000)
+  win.x = NOW + P.grace_ms
   jset(K.windows, session, win)
   redis.call("ZADD", K.window_exp, I(win.x), session)
 end
@@ -88,12 +100,11 @@ end
 local function trim(snap, limit)
   if P.adm ~= 1 or P.res ~= 1 or not snap.fresh then return 0 end
   -- hysteresis: windows may grow past the ceiling (rules 5 and 7); only when they outgrow
-  -- overcommit x the engines' whole capacity are windows revoked, down to overcommit x
-  -- the ceiling (overcommit 1: the pool and the ceiling themselves)
+  -- the budget's share of the engines' whole capacity (ceiling / headroom) are windows
+  -- revoked, down to the ceiling
   local r = reserved()
-  local oc = num(P.oc, 1)
-  if r <= snap.capacity * oc then return 0 end
-  local excess = r - math.floor(snap.ceiling * oc)
+  if r <= snap.capacity * snap.scale then return 0 end
+  local excess = r - snap.ceiling
   local n = 0
   local oldest = redis.call("ZRANGE", K.window_order, 0, 0)[1]
   -- window_exp holds idle windows only, scored by grace expiry: the earliest was released first
@@ -172,6 +183,7 @@ local function free_lease(ticket)
   if not l then return nil end
   redis.call("HDEL", K.leases, ticket)
   redis.call("ZREM", K.lease_exp, ticket)
+  progress()
   if l.w == 1 then
     local win = jget(K.windows, l.s)
     -- only the window this lease was charged to: if that one ended meanwhile (finish,
@@ -189,70 +201,23 @@ local function free_lease(ticket)
   return l
 end
 
--- wait_cost_ratio: how long a waiter of `need` tokens may wait when the snapshot says a cold
--- prefill is measured and the engines have time to spare; nil when that bound does not apply
--- (max_wait_ms alone). Time to spare, once clients have reported a typical tool gap: with
--- wait_cost_gap set, a cold prefill of this turn takes at most wait_cost_gap x that gap;
--- else (the default) refilling each engine's share of the pool cold takes at most
--- wait_cost_pool x that gap (whatever the gate protects, the engines rebuild within a few of
--- the sessions' tool calls, so holding turns back buys little). With either knob on, no time
--- to spare until a gap is known: the prefill load then on record was measured before the
--- turns now waiting arrived (a fresh gate's first burst after idle engines reads 0) and says
--- nothing about the engines under them. With both knobs at 0, the prefill load is below
--- wait_cost_load
-local function cost_wait_ms(snap, need)
-  if num(P.wcr, 0) <= 0 or snap.pst <= 0 then return nil end
-  local cold = snap.pst * need
-  local wcg, wcp = num(P.wcg, 0), num(P.wcp, 0)
-  local spare
-  if wcg > 0 or wcp > 0 then
-    local g = tool_gap_s()
-    if g == nil then return nil end
-    if wcg > 0 then
-      spare = cold <= wcg * g
-    else
-      -- the engines refill their whole share of the pool cold within wcp typical tool gaps
-      spare = snap.pst * snap.ceiling / math.max(1, snap.nh) <= wcp * g
-    end
-  else
-    spare = snap.pl >= 0 and snap.pl < num(P.wcl, 0.3)
-  end
-  if spare then return P.wcr * cold * 1000 end
-  return nil
-end
-
--- what a window opened now for a turn of `need` tokens reserves: the need grown by
--- growth_reserve (sessions re-send a growing history: a window admitted at its first prompt
--- will hold several times that before it ends), never more than the ceiling, never less than
--- the need. With admission off there is no ledger to reserve in.
-local function window_floor(snap, need)
-  local g = num(P.gr, 1)
-  if g <= 1 or P.adm ~= 1 then return need end
-  return math.max(need, math.min(math.floor(need * g), snap.ceiling))
-end
-
 -- open a lease; with `win_mode` the charge goes to the session's window:
 --   "join"  the session owns a window: hold it (first holder re-sizes its charge)
 --   "open"  open (or keep) the window for this session (admitted under pressure)
--- `floor`: what a newly opened window reserves at least (window_floor; default `need`)
-local function grant(ticket, session, need, reason, enq_ms, win_mode, claim, floor)
+local function grant(ticket, session, need, reason, enq_ms, win_mode, claim)
   local l = { s = session, t = need, w = 0, a = NOW, e = enq_ms or NOW, r = reason, ep = epoch(), c = 0 }
   if win_mode ~= nil then
     local win = jget(K.windows, session)
     if win == nil then
-      local f = math.max(need, floor or need)
-      win = { t = f, h = 1, ep = epoch(), x = 0, id = redis.call("HINCRBY", K.ledger, "wseq", 1) }
-      -- only a floor above the need is kept: at growth_reserve 1 the charge follows the
-      -- session's latest turn both ways, as before (a reset context shrinks it)
-      if f > need then win.f = f end
+      win = { t = need, h = 1, ep = epoch(), x = 0, id = redis.call("HINCRBY", K.ledger, "wseq", 1) }
       redis.call("ZADD", K.window_order, I(win.id), session)
-      charge(f)
+      charge(need)
       l.t = 0
       l.w = 1
     elseif win.h == 0 then
-      local t = math.max(need, win.f or 0)
-      charge(t - win.t)
-      win.t = t
+      -- the charge follows the session's latest turn both ways (a reset context shrinks it)
+      charge(need - win.t)
+      win.t = need
       win.h = 1
       win.x = 0
       redis.call("ZREM", K.window_exp, session)
@@ -269,15 +234,18 @@ local function grant(ticket, session, need, reason, enq_ms, win_mode, claim, flo
   else
     charge(need)
   end
-  local exp = NOW + num(P.ttl_ms, 600000)
+  local exp = NOW + P.ttl_ms
   if claim then
     l.c = 1
-    exp = NOW + math.min(num(P.claim_ms, 11000), num(P.ttl_ms, 600000))
+    exp = NOW + math.min(P.claim_ms, P.ttl_ms)
   end
   jset(K.leases, ticket, l)
   redis.call("ZADD", K.lease_exp, I(exp), ticket)
   stat("admit")
   stat("admit_" .. reason)
+  -- an aged admission is the liveness guard acting, not progress (SPEC 4): else every
+  -- waiter behind a stalled head would wait max_wait_s more, one after another
+  if reason ~= "aged" then progress() end
   if enq_ms ~= nil and enq_ms < NOW then
     stat("wait_granted")
     stat("wait_ms_sum", NOW - enq_ms)
@@ -333,12 +301,10 @@ local function advance(limit, snap)
       drop_waiter(head, w)
       stat("dead_waiter")
     else
-      -- a head that would open a window is checked with the window's floor
       local win_mode = opens_window(w.r, snap.usage) and "open" or nil
-      local eff = win_mode and window_floor(snap, w.n) or w.n
-      if block_reason(snap, eff) ~= nil then break end
+      if block_reason(snap, w.n) ~= nil then break end
       drop_waiter(head, w)
-      grant(head, w.s, w.n, "open", w.e, win_mode, true, eff)
+      grant(head, w.s, w.n, "open", w.e, win_mode, true)
       publish("g " .. head)
       granted = granted + 1
     end

@@ -232,7 +232,7 @@ def scaled_gate_config(base: Any, policy: Policy, time_scale: float, scale_knobs
             raise ValueError(f"policy {policy.name!r}: {e}") from None
     kw = {"admission": policy.admission, "residency": policy.residency}
     if scale_knobs and time_scale != 1.0:
-        for k in ("idle_grace_s", "max_wait_s", "wait_poll_s"):
+        for k in ("idle_grace_s", "max_wait_s", "max_wait_hard_s", "wait_poll_s"):
             v = getattr(base, k, None)
             if v is not None:
                 kw[k] = max(v * time_scale, 0.01) if v > 0 else v
