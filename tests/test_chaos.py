@@ -24,7 +24,7 @@ import pytest
 import redis
 
 import kvgate
-from kvgate.client.base import BREAKER_S
+from kvgate.client.flows import BREAKER_S
 
 from conftest import start_redis
 from test_poller_support import wait_until as _wait_until
@@ -532,7 +532,7 @@ def test_async_cancel_racing_grant_never_leaks(fresh_redis):
                     if i % 4 == 1:
                         rel = asyncio.ensure_future(holder.release())
                     else:
-                        rel = asyncio.ensure_future(asyncio.to_thread(other._release, holder.ticket, 0.0, None))
+                        rel = asyncio.ensure_future(asyncio.to_thread(other._run, other._flows.release(holder.ticket, 0.0, None)))
                         holder.released = True
                     if delay:
                         await asyncio.sleep(delay)

@@ -117,11 +117,11 @@ class _RecordingGate(kvgate.Gate):
         super().__init__(*a, **kw)
         self.calls = _CallLog()
 
-    def _call(self, name, params):
+    def _eval(self, name, params):
         prev = self.calls.sent(name, params)
         r = None
         try:
-            r = super()._call(name, params)
+            r = super()._eval(name, params)
         finally:
             self.calls.back(name, params, prev, r)
         return r
@@ -132,11 +132,11 @@ class _RecordingAsyncGate(kvgate.AsyncGate):
         super().__init__(*a, **kw)
         self.calls = _CallLog()
 
-    async def _call(self, name, params):
+    async def _eval(self, name, params):
         prev = self.calls.sent(name, params)
         r = None
         try:
-            r = await super()._call(name, params)
+            r = await super()._eval(name, params)
         finally:
             self.calls.back(name, params, prev, r)
         return r

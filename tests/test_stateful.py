@@ -476,7 +476,7 @@ class GateMachine(RuleBasedStateMachine):
         pre = self.state
         engines = [kvgate.EngineState(e, capacity_tokens=c, usage=usage, healthy=h, url=e)
                    for e, c, h in zip(ENGINE_IDS, caps, healthy)]
-        params = self.gate._snapshot_params(engines)
+        params = {"engines": [e.to_script() for e in engines]}
         out = self.call("write_snapshot", **params)
         sig = "\n".join(sorted(e for e, h in zip(ENGINE_IDS, healthy) if h))
         old = pre.snap.get("healthy_sig")

@@ -1,5 +1,5 @@
 """Per-step metrics (the flat ``agentic_kv/...`` dict of seed 003 plus the seed-000
-signals) and a Prometheus collector with the same numbers.
+signals), the operators' status dict, and a Prometheus collector with the same numbers.
 
 The scripts count every outcome twice: in a step window (``:stats``, drained by
 ``Gate.step_metrics()``, once per rollout step) and in cumulative totals (``:totals``,
@@ -8,6 +8,7 @@ Redis is unreachable) are counted per process and merged in.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 P = "agentic_kv/"
@@ -101,6 +102,45 @@ def build_step_metrics(raw: dict | None, config: Any, local: dict) -> dict[str, 
             if cnt:
                 m[P + f"latency/turn_{idx}_mean_s"] = _f(st, f"lat_s_sum:{idx}") / cnt
     return m
+
+
+def build_status(name: str, config: Any, raw: dict, engines_json: Any, head: list, totals: dict) -> dict:
+    """The gate's state for operators (``Gate.status()``), from drain_stats.lua's reply (read
+    with drain=0, by the Redis clock) and a few plain reads."""
+    def txt(v: Any) -> Any:
+        return v.decode() if isinstance(v, bytes) else v
+    cap = int(raw.get("capacity", 0) or 0)
+    ceiling = int(cap * config.effective("headroom"))  # never an unchecked one
+    reserved = int(raw.get("reserved", 0) or 0)
+    age_ms = float(raw.get("snapshot_age_ms", -1))
+    age = age_ms / 1000.0 if age_ms >= 0 else None
+    try:
+        engines = json.loads(txt(engines_json)) if engines_json else []
+    except ValueError:
+        engines = []
+    if not isinstance(engines, list):
+        engines = []
+    fresh = age is not None and age <= config.staleness_s and int(raw.get("n_healthy", 0) or 0) > 0
+    hit = float(raw.get("hit_rate", -1))
+    pst = float(raw.get("prefill_s_per_token", -1))
+    pl = float(raw.get("prefill_load", -1))
+    gap = float(raw.get("tool_gap_s", -1))
+    # what wait_cost_pool compares with the tool gap: refilling each engine's share of the
+    # ledger's pool cold (lua/includes/state.lua, cost_wait_ms)
+    refill = pst * ceiling / max(1, int(raw.get("n_healthy", 0) or 0)) if pst >= 0 else None
+    return {
+        "gate": name, "reserved": reserved, "ceiling": ceiling, "capacity": cap,
+        "available": max(0, ceiling - reserved), "usage": float(raw.get("usage", 0) or 0),
+        "epoch": int(raw.get("epoch", 0) or 0), "waiting": int(raw.get("waiting", 0)),
+        "leases": int(raw.get("leases", 0)), "windows": int(raw.get("windows", 0)),
+        "snapshot_age_s": age, "degraded": not fresh, "hit_rate": hit if hit >= 0 else None,
+        "prefill_s_per_token": pst if pst >= 0 else None, "prefill_load": pl if pl >= 0 else None,
+        "tool_gap_s": gap if gap >= 0 else None, "pool_refill_s": refill,
+        "preempted_sessions": int(raw.get("preempted_sessions", 0) or 0),
+        "preempted_max": int(raw.get("preempted_max", 0) or 0),
+        "engines": engines, "fifo_head": [txt(t) for t, _ in head],
+        "totals": {txt(k): float(v) for k, v in totals.items()},
+    }
 
 
 class GateCollector:
