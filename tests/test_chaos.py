@@ -487,9 +487,9 @@ def test_async_cancel_racing_grant_never_leaks(fresh_redis):
     hook: dict = {}
 
     class RacingGate(kvgate.AsyncGate):
-        async def _eval(self, name, params):
-            out = await super()._eval(name, params)
-            if name == "cancel" and out.get("removed") == "lease":
+        async def _eval(self, op):
+            out = await super()._eval(op)
+            if op.script == "cancel" and out.get("removed") == "lease":
                 seen["grant_given_back"] += 1
             return out
 
@@ -573,9 +573,9 @@ def test_sync_abort_racing_grant_never_leaks(fresh_redis):
     lock = threading.Lock()
 
     class RacingGate(kvgate.Gate):
-        def _eval(self, name, params):
-            out = super()._eval(name, params)
-            if name == "cancel" and out.get("removed") == "lease":
+        def _eval(self, op):
+            out = super()._eval(op)
+            if op.script == "cancel" and out.get("removed") == "lease":
                 with lock:
                     seen["grant_given_back"] += 1
             return out

@@ -159,7 +159,8 @@ def test_status_json_and_rich(redis_url, engine, capsys):
     assert "tool gap" not in out  # no client reported one yet
     assert "pool refill" in out and "11.250 s cold per engine" in out and "tool gaps" not in out  # 0.25 ms x 45k
     for i in range(8):  # eight turns whose sessions were away 0.3 s
-        gate._eval("acquire", {"ticket": f"t{i}", "session": f"s{i}", "need": 1, "protected": 1, "gap": 300})
+        gate._eval(gate._flows.eval_op("acquire", {"ticket": f"t{i}", "session": f"s{i}", "need": 1, "protected": 1,
+                                             "gap": 300}))
     assert main(["status", "--redis", redis_url, "--gate", "cli"]) == 0
     assert "tool gap" in (out := capsys.readouterr().out) and "0.300 s" in out
     assert "37.5 tool gaps" in out  # 11.25 s / 0.3 s: above wait_cost_pool, waits keep max_wait_s

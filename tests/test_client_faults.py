@@ -254,9 +254,9 @@ def test_sync_waiters_poll_when_pubsub_cannot_start(clock, monkeypatch):
     monkeypatch.setattr(g.redis, "pubsub", broken_pubsub)
     real = g._eval
 
-    def counting(name, params):
-        calls["acq"] += name == "acquire"
-        return real(name, params)
+    def counting(op):
+        calls["acq"] += op.script == "acquire"
+        return real(op)
     monkeypatch.setattr(g, "_eval", counting)
     lease = g.acquire("s", prompt_tokens=10, max_new_tokens=0)
     assert lease.reason == "aged"

@@ -212,6 +212,16 @@ def test_turns_are_numbered_and_the_gap_is_sent_once():
     assert d.turn_index == 1
 
 
+def test_the_script_call_carries_its_argv():
+    f = GateFlows("g", kvgate.GateConfig(max_wait_s=7.0), clock=Clock(), script_clock_ms=lambda: 1234)
+    op = f.eval_op("release", {"ticket": "t"})
+    now, blob = op.argv
+    sent = json.loads(blob)
+    assert now == "1234" and sent["ticket"] == "t" and sent["max_wait_ms"] == 7000
+    assert sent["ch"] == "kvgate:{g}:events"
+    assert gate_flows().eval_op("bump_epoch", {}).argv[0] == ""  # no injected clock: Redis time
+
+
 # -- give-backs and the breaker ----------------------------------------------------------------
 def test_release_deferred_then_flushed_before_the_next_call():
     clock = Clock()

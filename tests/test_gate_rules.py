@@ -606,9 +606,9 @@ class _ParkingGate(kvgate.Gate):
         self.replies: list[dict] = []
         self._cv = threading.Condition()
 
-    def _eval(self, name, params):
-        r = super()._eval(name, params)
-        if name == "acquire":
+    def _eval(self, op):
+        r = super()._eval(op)
+        if op.script == "acquire":
             with self._cv:
                 self.replies.append(r)
                 self._cv.notify_all()

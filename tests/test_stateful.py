@@ -163,7 +163,8 @@ class GateMachine(RuleBasedStateMachine):
     # -- one atomic step -------------------------------------------------------------------
     def call(self, script: str, **params) -> dict:
         pre = self.state
-        raw = self.gate._scripts[script](keys=self.gate._keys, args=self.gate._args(params))
+        argv = list(self.gate._flows.eval_op(script, params).argv)
+        raw = self.gate._scripts[script](keys=self.gate._keys, args=argv)
         out = json.loads(raw)
         post = GateState(self.r, self.gate)
         self.check_transition(pre, post, script, params)

@@ -10,8 +10,8 @@ from typing import Any, AsyncIterator, Callable, Generator
 import redis.asyncio as aioredis
 
 from . import base as _base
-from .base import GateBase, Lease, Run, json_reply, ticket_to_wake, wait_step
-from .flows import Command, Probe, RedisDown
+from .base import GateBase, Lease, json_reply, ticket_to_wake, wait_step
+from .flows import Command, Eval, Probe, RedisDown, Run
 from .lifecycle import CloseResult, aclose_session
 from .probe import ProbeResult, ProbeThreads, coerce
 from .._aio import wait_for
@@ -92,7 +92,7 @@ class AsyncGate(GateBase):
         handed_off = False
         try:
             while (op := run.next()) is not Run.DONE:
-                fn, args = self._handler(op, run)
+                fn, args = run.handler(self, op)
                 try:
                     run.send(await fn(*args))
                 except BaseException as e:  # noqa: BLE001 - a fault or an interrupt goes into the flow
@@ -132,11 +132,10 @@ class AsyncGate(GateBase):
                     pool.reset()
         self._loop = loop
 
-    async def _eval(self, name: str, params: dict) -> dict:
+    async def _eval(self, op: Eval) -> dict:
         self._bind_loop()
-        args = self._args(params)
         try:
-            raw = await wait_for(self._scripts[name](keys=self._keys, args=args), self._deadline_s())
+            raw = await wait_for(self._scripts[op.script](keys=self._keys, args=list(op.argv)), self._deadline_s())
         except (*REDIS_ERRORS, ValueError) as e:  # ValueError: a socket closed under the call
             raise RedisDown(str(e) or type(e).__name__, e) from e
         return json_reply(raw)

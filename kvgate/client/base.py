@@ -1,7 +1,7 @@
 """What the two drivers share: the public methods (each runs one flow of ``flows.py`` and is
 written once: ``Gate._run`` answers the flow's result, ``AsyncGate._run`` a coroutine of it,
-as redis-py's command mixins serve its sync and asyncio clients), the lease, and the
-bookkeeping of one run of a flow."""
+as redis-py's command mixins serve its sync and asyncio clients), the lease, and the small
+helpers of the pub/sub listeners and waits."""
 from __future__ import annotations
 
 import json
@@ -12,8 +12,7 @@ import redis
 
 from .. import keys as _keys
 from ..config import GateConfig
-from .flows import (Close, Command, Decision, Eval, GateFlows, Interrupted, Join, Listen, Pipeline, Probe,
-                    RedisDown, Wait)
+from .flows import Decision, GateFlows
 from .probe import as_probe
 from .scripts import SCRIPT_NAMES, script_source
 from .snapshot import EngineState
@@ -52,53 +51,6 @@ def wait_step(deadline: float, abort_event: Any, poll_abort: bool) -> str | floa
     return min(left, 0.05) if poll_abort else left
 
 
-class Run:
-    """One run of a flow by a driver: what to send into the flow next, the pub/sub event
-    of its ticket, the caller's abort event, and the exception that interrupted it."""
-
-    DONE = object()
-
-    def __init__(self, flow: Generator, abort: Any = None):
-        self.flow = flow
-        self.abort = abort
-        self.ticket: str | None = None
-        self.event: Any = None
-        self.value: Any = None
-        self.interrupted: BaseException | None = None
-        self.handed_off = False  # the rest of the flow runs elsewhere (the async gate's shield)
-        self._send: Any = None
-        self._throw: BaseException | None = None
-
-    def next(self) -> Any:
-        """The flow's next operation, or ``DONE`` (its result in ``value``). After an
-        interruption, the interrupting exception is raised once the flow has cleaned up."""
-        try:
-            op = self.flow.throw(self._throw) if self._throw is not None else self.flow.send(self._send)
-        except StopIteration as stop:
-            if self.interrupted is not None:
-                raise self.interrupted
-            self.value = stop.value
-            return self.DONE
-        except Interrupted as i:
-            raise i.error from None
-        self._send, self._throw = None, None
-        return op
-
-    def send(self, result: Any) -> None:
-        self._send = result
-
-    def fail(self, e: BaseException) -> None:
-        """An operation raised ``e``: a Redis fault goes into the flow as it is, anything else
-        (a second time: raised) as ``Interrupted``."""
-        if isinstance(e, RedisDown):
-            self._throw = e
-        elif self.interrupted is None:
-            self.interrupted = e
-            self._throw = Interrupted(e)
-        else:
-            raise e
-
-
 class GateBase:
     """The surface ``Gate`` and ``AsyncGate`` share. Each public method runs one flow through
     the driver's ``_run``: on an ``AsyncGate`` await what it returns."""
@@ -115,8 +67,7 @@ class GateBase:
         self.config = config
         self.probe = probe
         self.redis = redis_client
-        self._clock_ms = clock_ms
-        self._flows = GateFlows(self.name, config)
+        self._flows = GateFlows(self.name, config, script_clock_ms=clock_ms)
         self._keys = _keys.script_keys(self.name)
         self.channel = _keys.channel(self.name)
         self._scripts = {n: redis_client.register_script(script_source(n)) for n in SCRIPT_NAMES}
@@ -162,29 +113,6 @@ class GateBase:
         """The bound on one Redis call (connect + reply, and some slack): the async gate's
         deadline on each call, the sync close()'s wait for calls on the wire."""
         return self.config.redis_timeout_s * 2 + 0.5
-
-    def _args(self, params: dict) -> list[str]:
-        """A script's ARGV: the injected clock (empty: Redis time) and the knobs with ``params``."""
-        now = "" if self._clock_ms is None else str(int(self._clock_ms()))
-        return [now, json.dumps({**self._flows.knobs, **params}, separators=(",", ":"))]
-
-    def _handler(self, op: Any, run: Run) -> tuple[Callable, tuple]:
-        """The driver method that performs ``op``, and its arguments."""
-        if isinstance(op, Eval):
-            return self._eval, (op.script, op.params)
-        if isinstance(op, Wait):
-            return self._wait, (run.event, op.timeout_s, run.abort)
-        if isinstance(op, Probe):
-            return self._probe, (op,)
-        if isinstance(op, (Command, Pipeline)):
-            return self._command, (op,)
-        if isinstance(op, Listen):
-            return self._listen, (op.ticket, run)
-        if isinstance(op, Join):
-            return self._join, (op.session_id, op.timeout_s)
-        if isinstance(op, Close):
-            return self._close_session, (op,)
-        raise AssertionError(f"no driver for {op!r}")
 
     # -- the public surface, once for both drivers ------------------------------------------
     def acquire(self, session_id: str, *, max_new_tokens: int, prompt_ids: Sequence[int] | None = None,

@@ -13,8 +13,12 @@ flow gives back what its ticket may hold, and the driver then raises the origina
 
 The breaker, the give-backs deferred after a fault, this process's counters and what it
 remembers of each session live in one ``GateFlows`` per gate; time comes from its injected
-``clock``. This module is over 400 lines on purpose: a turn's whole path, from the
-arguments of ``acquire`` to the script parameters, reads top to bottom here, once.
+``clock`` (and the scripts' from ``script_clock_ms``). ``Run`` is a driver's bookkeeping of
+one flow: it steps the generator and says which driver method performs each operation.
+
+This module is over 400 lines on purpose: a turn's whole path, from the arguments of
+``acquire`` to the script's ARGV, reads top to bottom here, once, and hands the driver an
+operation it only has to perform (no module between them, none visited twice).
 """
 from __future__ import annotations
 
@@ -69,9 +73,11 @@ class Listen:
 
 @dataclass(frozen=True)
 class Eval:
-    """Call a Lua script (the driver adds the knobs to ``params``) -> its decoded reply."""
+    """Call a Lua script with ``argv`` (the script clock, and the knobs with ``params`` as
+    JSON: ``GateFlows.eval_op`` builds it) -> its decoded reply."""
     script: str
     params: dict
+    argv: tuple = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,72 @@ class Interrupted(Exception):
     def __init__(self, error: BaseException):
         super().__init__(repr(error))
         self.error = error
+
+
+# -- one run of a flow by a driver ----------------------------------------------------------
+class Run:
+    """One run of a flow by a driver: what to send into the flow next, the pub/sub event
+    of its ticket, the caller's abort event, and the exception that interrupted it."""
+
+    DONE = object()
+
+    def __init__(self, flow: Flow, abort: Any = None):
+        self.flow = flow
+        self.abort = abort
+        self.ticket: str | None = None
+        self.event: Any = None
+        self.value: Any = None
+        self.interrupted: BaseException | None = None
+        self.handed_off = False  # the rest of the flow runs elsewhere (the async gate's shield)
+        self._send: Any = None
+        self._throw: BaseException | None = None
+
+    def next(self) -> Any:
+        """The flow's next operation, or ``DONE`` (its result in ``value``). After an
+        interruption, the interrupting exception is raised once the flow has cleaned up."""
+        try:
+            op = self.flow.throw(self._throw) if self._throw is not None else self.flow.send(self._send)
+        except StopIteration as stop:
+            if self.interrupted is not None:
+                raise self.interrupted
+            self.value = stop.value
+            return self.DONE
+        except Interrupted as i:
+            raise i.error from None
+        self._send, self._throw = None, None
+        return op
+
+    def send(self, result: Any) -> None:
+        self._send = result
+
+    def handler(self, driver: Any, op: Any) -> tuple[Callable, tuple]:
+        """The driver method that performs ``op``, and its arguments."""
+        if isinstance(op, Eval):
+            return driver._eval, (op,)
+        if isinstance(op, Wait):
+            return driver._wait, (self.event, op.timeout_s, self.abort)
+        if isinstance(op, Probe):
+            return driver._probe, (op,)
+        if isinstance(op, (Command, Pipeline)):
+            return driver._command, (op,)
+        if isinstance(op, Listen):
+            return driver._listen, (op.ticket, self)
+        if isinstance(op, Join):
+            return driver._join, (op.session_id, op.timeout_s)
+        if isinstance(op, Close):
+            return driver._close_session, (op,)
+        raise AssertionError(f"no driver for {op!r}")
+
+    def fail(self, e: BaseException) -> None:
+        """An operation raised ``e``: a Redis fault goes into the flow as it is, anything else
+        (a second time: raised) as ``Interrupted``."""
+        if isinstance(e, RedisDown):
+            self._throw = e
+        elif self.interrupted is None:
+            self.interrupted = e
+            self._throw = Interrupted(e)
+        else:
+            raise e
 
 
 # -- what a turn asks and what it gets -------------------------------------------------------
@@ -260,10 +332,12 @@ class GateFlows:
     """One gate's operations as flows, and the process-local state they share (thread-safe:
     a sync gate runs flows from many threads). ``clock`` is monotonic seconds."""
 
-    def __init__(self, name: str, config: GateConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, name: str, config: GateConfig, clock: Callable[[], float] = time.monotonic,
+                 script_clock_ms: Callable[[], int] | None = None):
         self.name = name
         self.config = config
         self.clock = clock
+        self.script_clock_ms = script_clock_ms  # None: the scripts read Redis time
         self.knobs = knob_params(config, _keys.channel(name))
         self._lock = threading.Lock()
         self._breaker_until = float("-inf")
@@ -278,6 +352,12 @@ class GateFlows:
 
     def key(self, name: str) -> str:
         return _keys.key(self.name, name)
+
+    def eval_op(self, script: str, params: dict) -> Eval:
+        """The call of ``script``: ARGV[1] the injected script clock (empty: Redis time),
+        ARGV[2] the knobs with ``params`` as JSON."""
+        now = "" if self.script_clock_ms is None else str(int(self.script_clock_ms()))
+        return Eval(script, params, (now, json.dumps({**self.knobs, **params}, separators=(",", ":"))))
 
     # -- a turn ---------------------------------------------------------------------------
     def acquire(self, session_id: Any, *, has_probe: bool, **kw: Any) -> Flow:
@@ -534,7 +614,7 @@ class GateFlows:
 
     def status(self) -> Flow:
         """The gate's state for operators; Redis errors are raised as they are."""
-        raw = yield from self._operator(Eval("drain_stats", {"drain": 0}))
+        raw = yield from self._operator(self.eval_op("drain_stats", {"drain": 0}))
         engines, head, totals = yield from self._operator(Pipeline((
             Command("hget", (self.key("snapshot"), "engines")),
             Command("zrange", (self.key("fifo"), 0, 9), {"withscores": True}),
@@ -548,17 +628,17 @@ class GateFlows:
         ids = [e.engine_id for e in engines]
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate engine ids in snapshot: {sorted(ids)}")
-        r = yield from self._operator(Eval("write_snapshot", {"engines": [e.to_script() for e in engines]}))
+        r = yield from self._operator(self.eval_op("write_snapshot", {"engines": [e.to_script() for e in engines]}))
         return SnapshotResult(epoch=int(r["epoch"]), bumped=bool(r["bumped"]), capacity_tokens=int(r["capacity"]),
                               usage=float(r["usage"]), n_healthy=int(r["n_healthy"]))
 
     def housekeep(self, limit: int = 100) -> Flow:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit must be an int >= 1, got {limit!r}")
-        return (yield from self._operator(Eval("housekeep", {"limit": limit})))
+        return (yield from self._operator(self.eval_op("housekeep", {"limit": limit})))
 
     def bump_epoch(self) -> Flow:
-        return int((yield from self._operator(Eval("bump_epoch", {})))["epoch"])
+        return int((yield from self._operator(self.eval_op("bump_epoch", {})))["epoch"])
 
     # -- Redis: the breaker and the deferred give-backs -----------------------------------
     def breaker_open(self) -> bool:
@@ -575,7 +655,7 @@ class GateFlows:
         if self._deferred:
             yield from self.flush()
         try:
-            return (yield Eval(name, params))
+            return (yield self.eval_op(name, params))
         except RedisDown:
             self.trip()
             raise
@@ -638,7 +718,7 @@ class GateFlows:
         try:
             for _, script, params in items:
                 try:
-                    yield Eval(script, params)
+                    yield self.eval_op(script, params)
                 except RedisDown as e:
                     self.trip()
                     raise BreakerOpen(f"Redis faulted while sending deferred releases: {e}") from e

@@ -12,8 +12,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .base import REDIS_ERRORS, GateBase, Lease, Run, json_reply, ticket_to_wake, wait_step
-from .flows import Command, Probe, RedisDown
+from .base import REDIS_ERRORS, GateBase, Lease, json_reply, ticket_to_wake, wait_step
+from .flows import Command, Eval, Probe, RedisDown, Run
 from .lifecycle import CloseResult, close_session
 from .probe import ProbeResult, ProbeThreads, coerce
 
@@ -83,7 +83,7 @@ class Gate(GateBase):
         run = Run(flow, abort)
         try:
             while (op := run.next()) is not Run.DONE:
-                fn, args = self._handler(op, run)
+                fn, args = run.handler(self, op)
                 try:
                     run.send(fn(*args))
                 except BaseException as e:  # noqa: BLE001 - a fault or an interrupt goes into the flow
@@ -94,12 +94,11 @@ class Gate(GateBase):
             flow.close()
         return run.value if then is None else then(run.value)
 
-    def _eval(self, name: str, params: dict) -> dict:
-        args = self._args(params)
+    def _eval(self, op: Eval) -> dict:
         with self._calls_cv:
             self._calls += 1
         try:
-            raw = self._scripts[name](keys=self._keys, args=args)
+            raw = self._scripts[op.script](keys=self._keys, args=list(op.argv))
         except Exception as e:  # noqa: BLE001 - only the call is in here: any failure of it is a fault
             # REDIS_ERRORS, and what a client closed under the call raises ("I/O operation on
             # closed file" is a ValueError): the agent loop must never see it (SPEC 8)
