@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from . import base as _base
 from .base import GateBase, Lease, json_reply, ticket_to_wake, wait_step
-from .flows import Command, Eval, Probe, RedisDown, Run
+from .flows import Eval, Probe, RedisDown, Run
 from .lifecycle import CloseResult, aclose_session
 from .probe import ProbeResult, ProbeThreads, coerce
 from .._aio import wait_for
@@ -84,7 +84,7 @@ class AsyncGate(GateBase):
                    then: Callable[[Any], Any] | None = None) -> Any:
         """Run a flow to its end, awaiting each operation it yields; ``shield``: the whole
         run goes on when the caller is cancelled (a release), and aclose() waits for it."""
-        run = Run(flow, abort)
+        run = Run(flow, self._listener, abort)
         value = await (self._shielded(self._drive(run)) if shield else self._drive(run))
         return value if then is None else then(value)
 
@@ -106,10 +106,8 @@ class AsyncGate(GateBase):
                         raise
             return run.value
         finally:
-            if not handed_off:
-                if run.ticket is not None:
-                    self._listener.unregister(run.ticket)
-                run.flow.close()
+            if not handed_off:  # else the shielded rest closes it when it ends
+                run.close()
 
     async def _shielded(self, coro: Any) -> Any:
         """Run ``coro`` shielded from the caller's cancellation, where aclose() can wait for it."""
@@ -143,17 +141,9 @@ class AsyncGate(GateBase):
     async def _command(self, op: Any) -> Any:
         self._bind_loop()
         try:
-            if isinstance(op, Command):
-                return await wait_for(getattr(self.redis, op.name)(*op.args, **op.kwargs), self._deadline_s())
-            p = self.redis.pipeline(transaction=False)
-            for c in op.commands:
-                getattr(p, c.name)(*c.args, **c.kwargs)
-            return await wait_for(p.execute(), self._deadline_s())
+            return await wait_for(self._send_commands(op), self._deadline_s())
         except REDIS_ERRORS as e:
             raise RedisDown(str(e) or type(e).__name__, e) from e
-
-    async def _listen(self, ticket: str, run: Run) -> None:
-        run.ticket, run.event = ticket, self._listener.register(ticket)
 
     async def _wait(self, ev: asyncio.Event, timeout_s: float, abort_event: Any) -> str:
         if self._listener.ensure_started():

@@ -12,7 +12,7 @@ import redis
 
 from .. import keys as _keys
 from ..config import GateConfig
-from .flows import Decision, GateFlows
+from .flows import Command, Decision, GateFlows, Pipeline
 from .probe import as_probe
 from .scripts import SCRIPT_NAMES, script_source
 from .snapshot import EngineState
@@ -113,6 +113,16 @@ class GateBase:
         """The bound on one Redis call (connect + reply, and some slack): the async gate's
         deadline on each call, the sync close()'s wait for calls on the wire."""
         return self.config.redis_timeout_s * 2 + 0.5
+
+    def _send_commands(self, op: Command | Pipeline) -> Any:
+        """Send plain commands with the driver's client: the reply (a sync client) or an
+        awaitable of it (an asyncio client)."""
+        if isinstance(op, Command):
+            return getattr(self.redis, op.name)(*op.args, **op.kwargs)
+        p = self.redis.pipeline(transaction=False)
+        for c in op.commands:
+            getattr(p, c.name)(*c.args, **c.kwargs)
+        return p.execute()
 
     # -- the public surface, once for both drivers ------------------------------------------
     def acquire(self, session_id: str, *, max_new_tokens: int, prompt_ids: Sequence[int] | None = None,

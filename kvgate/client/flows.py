@@ -150,35 +150,45 @@ class Interrupted(Exception):
 # -- one run of a flow by a driver ----------------------------------------------------------
 class Run:
     """One run of a flow by a driver: what to send into the flow next, the pub/sub event
-    of its ticket, the caller's abort event, and the exception that interrupted it."""
+    of its ticket (``Listen`` is done here, with the driver's listener), the caller's abort
+    event, and the exception that interrupted it."""
 
     DONE = object()
 
-    def __init__(self, flow: Flow, abort: Any = None):
+    def __init__(self, flow: Flow, listener: Any, abort: Any = None):
         self.flow = flow
+        self.listener = listener
         self.abort = abort
         self.ticket: str | None = None
         self.event: Any = None
         self.value: Any = None
         self.interrupted: BaseException | None = None
-        self.handed_off = False  # the rest of the flow runs elsewhere (the async gate's shield)
         self._send: Any = None
         self._throw: BaseException | None = None
 
     def next(self) -> Any:
-        """The flow's next operation, or ``DONE`` (its result in ``value``). After an
-        interruption, the interrupting exception is raised once the flow has cleaned up."""
-        try:
-            op = self.flow.throw(self._throw) if self._throw is not None else self.flow.send(self._send)
-        except StopIteration as stop:
-            if self.interrupted is not None:
-                raise self.interrupted
-            self.value = stop.value
-            return self.DONE
-        except Interrupted as i:
-            raise i.error from None
-        self._send, self._throw = None, None
-        return op
+        """The flow's next operation for the driver, or ``DONE`` (its result in ``value``).
+        After an interruption, the interrupting exception is raised once the flow cleaned up."""
+        while True:
+            try:
+                op = self.flow.throw(self._throw) if self._throw is not None else self.flow.send(self._send)
+            except StopIteration as stop:
+                if self.interrupted is not None:
+                    raise self.interrupted
+                self.value = stop.value
+                return self.DONE
+            except Interrupted as i:
+                raise i.error from None
+            self._send, self._throw = None, None
+            if not isinstance(op, Listen):
+                return op
+            self.ticket, self.event = op.ticket, self.listener.register(op.ticket)
+
+    def close(self) -> None:
+        """The run is over: stop listening for its ticket, and close the flow."""
+        if self.ticket is not None:
+            self.listener.unregister(self.ticket)
+        self.flow.close()
 
     def send(self, result: Any) -> None:
         self._send = result
@@ -193,8 +203,6 @@ class Run:
             return driver._probe, (op,)
         if isinstance(op, (Command, Pipeline)):
             return driver._command, (op,)
-        if isinstance(op, Listen):
-            return driver._listen, (op.ticket, self)
         if isinstance(op, Join):
             return driver._join, (op.session_id, op.timeout_s)
         if isinstance(op, Close):

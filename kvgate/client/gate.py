@@ -13,7 +13,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .base import REDIS_ERRORS, GateBase, Lease, json_reply, ticket_to_wake, wait_step
-from .flows import Command, Eval, Probe, RedisDown, Run
+from .flows import Eval, Probe, RedisDown, Run
 from .lifecycle import CloseResult, close_session
 from .probe import ProbeResult, ProbeThreads, coerce
 
@@ -80,7 +80,7 @@ class Gate(GateBase):
              then: Callable[[Any], Any] | None = None) -> Any:
         """Run a flow to its end, performing each operation it yields (``shield`` is the async
         gate's: a thread is not cancelled from outside)."""
-        run = Run(flow, abort)
+        run = Run(flow, self._listener, abort)
         try:
             while (op := run.next()) is not Run.DONE:
                 fn, args = run.handler(self, op)
@@ -89,9 +89,7 @@ class Gate(GateBase):
                 except BaseException as e:  # noqa: BLE001 - a fault or an interrupt goes into the flow
                     run.fail(e)
         finally:
-            if run.ticket is not None:
-                self._listener.unregister(run.ticket)
-            flow.close()
+            run.close()
         return run.value if then is None else then(run.value)
 
     def _eval(self, op: Eval) -> dict:
@@ -111,17 +109,9 @@ class Gate(GateBase):
 
     def _command(self, op: Any) -> Any:
         try:
-            if isinstance(op, Command):
-                return getattr(self.redis, op.name)(*op.args, **op.kwargs)
-            p = self.redis.pipeline(transaction=False)
-            for c in op.commands:
-                getattr(p, c.name)(*c.args, **c.kwargs)
-            return p.execute()
+            return self._send_commands(op)
         except REDIS_ERRORS as e:
             raise RedisDown(str(e) or type(e).__name__, e) from e
-
-    def _listen(self, ticket: str, run: Run) -> None:
-        run.ticket, run.event = ticket, self._listener.register(ticket)
 
     def _wait(self, ev: threading.Event, timeout_s: float, abort_event: Any) -> str:
         if self._listener.ensure_started():
