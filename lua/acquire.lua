@@ -189,7 +189,13 @@ local reason = blocked or "queued"
 local since = w and waiter_since(w) or num(P.t0, NOW)
 local function aged_out()
   if P.age == 1 then return true end  -- the caller's clock: past max_wait_hard_s
-  if not w or redis.call("ZRANGE", K.fifo, 0, 0)[1] ~= ticket then return false end
+  -- the head: this waiter, or a new attempt back from its probe round trip that finds the
+  -- FIFO empty (its stall counts from when it began, t0)
+  if w then
+    if redis.call("ZRANGE", K.fifo, 0, 0)[1] ~= ticket then return false end
+  elseif P.t0 == nil or redis.call("ZCARD", K.fifo) > 0 then
+    return false
+  end
   if NOW - since >= P.max_wait_hard_ms then return true end
   return NOW - math.max(since, last_progress() or since) >= P.max_wait_ms
 end

@@ -4,8 +4,9 @@
   cancel racing a grant never leaks a reservation.
 
   KEYS: the 14 gate keys (includes/common.lua).
-  ARGV[1] now ms or ""; ARGV[2] JSON: ticket (str), aged (0/1: the caller's own clock aged
-    the wait out; counted as an aged bypass, not a cancel), plus the knobs of release.lua.
+  ARGV[1] now ms or ""; ARGV[2] JSON: ticket (str), degraded (0/1: the caller's own clock
+    gave up on the wait although the scripts' clock did not age it, a clock fault; counted as
+    a degraded bypass, not a cancel), plus the knobs of release.lua.
   Returns JSON {removed="waiter"|"lease"|"none"}
   Publishes "g <ticket>" for each FIFO head granted after the removal.
 ]]
@@ -18,8 +19,8 @@ if w then
   drop_waiter(P.ticket, w)
   if w.st == "w" then
     removed = "waiter"
-    if P.aged == 1 then
-      stat("bypass"); stat("bypass_aged")
+    if P.degraded == 1 then
+      stat("bypass"); stat("bypass_degraded")
     else
       stat("cancelled")
     end

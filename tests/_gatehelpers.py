@@ -33,4 +33,4 @@ def make_client(backend: str, url: str | None):
 
 def script(gate: kvgate.Gate, name: str, **params) -> dict:
     """Call one script directly (one atomic transition)."""
-    return gate._eval(name, params)
+    return gate._eval(gate._flows.eval_op(name, params))

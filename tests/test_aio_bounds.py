@@ -13,7 +13,7 @@ import redis
 import redis.asyncio as aioredis
 
 import kvgate
-from kvgate.client.gate import PROBE_THREADS
+from kvgate.client.probe import PROBE_THREADS
 
 from _gatehelpers import engines
 

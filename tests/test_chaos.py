@@ -24,7 +24,7 @@ import pytest
 import redis
 
 import kvgate
-from kvgate.client.base import BREAKER_S
+from kvgate.client.flows import BREAKER_S
 
 from conftest import start_redis
 from test_poller_support import wait_until as _wait_until
@@ -487,9 +487,9 @@ def test_async_cancel_racing_grant_never_leaks(fresh_redis):
     hook: dict = {}
 
     class RacingGate(kvgate.AsyncGate):
-        async def _eval(self, name, params):
-            out = await super()._eval(name, params)
-            if name == "cancel" and out.get("removed") == "lease":
+        async def _eval(self, op):
+            out = await super()._eval(op)
+            if op.script == "cancel" and out.get("removed") == "lease":
                 seen["grant_given_back"] += 1
             return out
 
@@ -532,7 +532,7 @@ def test_async_cancel_racing_grant_never_leaks(fresh_redis):
                     if i % 4 == 1:
                         rel = asyncio.ensure_future(holder.release())
                     else:
-                        rel = asyncio.ensure_future(asyncio.to_thread(other._release, holder.ticket, 0.0, None))
+                        rel = asyncio.ensure_future(asyncio.to_thread(other._run, other._flows.release(holder.ticket, 0.0, None)))
                         holder.released = True
                     if delay:
                         await asyncio.sleep(delay)
@@ -573,9 +573,9 @@ def test_sync_abort_racing_grant_never_leaks(fresh_redis):
     lock = threading.Lock()
 
     class RacingGate(kvgate.Gate):
-        def _eval(self, name, params):
-            out = super()._eval(name, params)
-            if name == "cancel" and out.get("removed") == "lease":
+        def _eval(self, op):
+            out = super()._eval(op)
+            if op.script == "cancel" and out.get("removed") == "lease":
                 with lock:
                     seen["grant_given_back"] += 1
             return out

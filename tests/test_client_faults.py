@@ -63,7 +63,7 @@ def ledger(gate) -> int:
 
 
 def close_breaker(gate) -> None:
-    gate._breaker_until = 0.0  # as if BREAKER_S had passed
+    gate._flows._breaker_until = 0.0  # as if BREAKER_S had passed
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_release_while_breaker_open_is_sent_later(clock):
     g.write_snapshot(engines())
     lease = g.acquire("s", prompt_tokens=100, max_new_tokens=10, **PLAIN)
     assert lease.held and ledger(g) == 110
-    g._trip()  # a fault elsewhere in this process
+    g._flows.trip()  # a fault elsewhere in this process
     assert lease.release() is False
     assert g.deferred_count == 1 and ledger(g) == 110
     close_breaker(g)
@@ -117,7 +117,7 @@ def test_deferred_release_under_a_window_is_not_charged_twice(clock):
     g.write_snapshot(engines())
     lease = g.acquire("s", prompt_tokens=100, max_new_tokens=10)  # retained: it opens a window
     assert lease.reason == "open" and g.redis.hexists(g.key("windows"), "s")
-    g._trip()
+    g._flows.trip()
     lease.release()
     close_breaker(g)
     nxt = g.acquire("s", prompt_tokens=120, max_new_tokens=10)
@@ -145,7 +145,7 @@ def three_released_while_down(clock):
     g = sync_gate(clock)
     g.write_snapshot(engines())
     leases = [g.acquire(f"s{i}", prompt_tokens=10, max_new_tokens=0, **PLAIN) for i in range(3)]
-    g._trip()
+    g._flows.trip()
     for lease in leases:
         lease.release()
     return g
@@ -154,7 +154,7 @@ def three_released_while_down(clock):
 def test_acquire_refused_by_the_breaker_defers_nothing(clock):
     g = sync_gate(clock)
     g.write_snapshot(engines())
-    g._trip()
+    g._flows.trip()
     lease = g.acquire("s", prompt_tokens=100, max_new_tokens=10, **PLAIN)
     assert lease.reason == "degraded" and g.deferred_count == 0  # never sent: nothing to give back
 
@@ -172,8 +172,8 @@ def test_failed_flush_keeps_the_rest_and_sends_nothing_else(clock):
 
 
 def test_deferred_operations_are_bounded(clock, monkeypatch):
-    import kvgate.client.base as base
-    monkeypatch.setattr(base, "MAX_DEFERRED", 2)
+    import kvgate.client.flows as flows
+    monkeypatch.setattr(flows, "MAX_DEFERRED", 2)
     g = three_released_while_down(clock)
     assert g.deferred_count == 2  # the oldest is left to lease_ttl_s
     m = g.step_metrics()  # breaker open: counted locally
@@ -186,7 +186,7 @@ def test_async_release_and_lost_acquire_are_sent_later(clock):
                              config=kvgate.GateConfig(**FAST), clock_ms=clock)
         await g.write_snapshot(engines())
         lease = await g.acquire("s", prompt_tokens=100, max_new_tokens=10, **PLAIN)
-        g._trip()
+        g._flows.trip()
         assert await lease.release() is False
         close_breaker(g)
         await g.step_metrics()  # sends s's release
@@ -214,7 +214,7 @@ def test_async_cancel_while_breaker_open_is_sent_later():
             if await g.redis.zcard(g.key("fifo")):
                 break
             await asyncio.sleep(0.01)
-        g._trip()
+        g._flows.trip()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -254,9 +254,9 @@ def test_sync_waiters_poll_when_pubsub_cannot_start(clock, monkeypatch):
     monkeypatch.setattr(g.redis, "pubsub", broken_pubsub)
     real = g._eval
 
-    def counting(name, params):
-        calls["acq"] += name == "acquire"
-        return real(name, params)
+    def counting(op):
+        calls["acq"] += op.script == "acquire"
+        return real(op)
     monkeypatch.setattr(g, "_eval", counting)
     lease = g.acquire("s", prompt_tokens=10, max_new_tokens=0)
     assert lease.reason == "aged"
@@ -277,12 +277,12 @@ class HangingProbe:
 
 
 def test_hanging_probe_does_not_queue_without_bound():
-    from kvgate.client.gate import PROBE_THREADS
+    from kvgate.client.probe import PROBE_THREADS
     p = HangingProbe()
     g = kvgate.Gate(fakeredis.FakeRedis(), gate="g", config=kvgate.GateConfig(probe_timeout_s=0.05), probe=p)
-    from kvgate.client.flows import build_request
+    from kvgate.client.flows import Probe
     try:
-        results = [g._probe(build_request(g.config, f"s{i}", prompt_ids=[1] * 4, max_new_tokens=1))
+        results = [g._probe(Probe(f"s{i}", [1] * 4))
                    for i in range(PROBE_THREADS + 6)]
         assert all(r.hit_ratio is None for r in results)
         assert p.calls == PROBE_THREADS  # the rest answered "busy" at once, nothing queued
@@ -290,9 +290,9 @@ def test_hanging_probe_does_not_queue_without_bound():
     finally:
         p.release.set()
     deadline = time.monotonic() + 5
-    while g._probes_running and time.monotonic() < deadline:
+    while g._probe_threads.running and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert g._probes_running == 0
+    assert g._probe_threads.running == 0
     g.close()
 
 
@@ -305,7 +305,7 @@ def test_finish_session_inside_its_own_turn_does_not_wait_for_itself(clock):
     t0 = time.monotonic()
     with g.turn("s", prompt_tokens=10, max_new_tokens=0):
         out = g.finish_session("s")
-    assert out["joined"] is True
+    assert (out["joined"], out["aborted"]) == (0, 0)
     # the close to port 1 fails fast (refused); a wait for the caller's own turn would last the
     # whole close_timeout_s (30 s): half of it tells the two apart on any box
     assert time.monotonic() - t0 < 15.0
@@ -408,7 +408,7 @@ def test_a_cluster_that_cannot_be_reached_degrades_and_defers(clock):
         ag.redis.fail_before = 1
         await lease.release()
         assert ag.deferred_count == 1
-        ag._breaker_until = 0.0
+        ag._flows._breaker_until = 0.0
         ag.redis.fail_before = 1
         assert (await ag.acquire("b", prompt_tokens=10, max_new_tokens=0, **PLAIN)).reason == "degraded"
         await ag.aclose()
@@ -447,7 +447,7 @@ def test_a_flush_interrupted_by_anything_keeps_what_it_took(clock):
     g.redis.before_exc = KeyboardInterrupt
     g.redis.fail_before = 1
     with pytest.raises(KeyboardInterrupt):
-        g._flush_deferred()  # (the unit: an acquire's own cleanup would flush again at once)
+        g._run(g._flows.flush())  # (the unit: an acquire's own cleanup would flush again at once)
     assert g.deferred_count == 3 and ledger(g) == 30  # none lost; sent at the next call
     g.redis.before_exc = redis.ConnectionError
     g.acquire("t", prompt_tokens=1, max_new_tokens=0, **PLAIN).release()
@@ -459,7 +459,7 @@ def test_close_sends_what_was_deferred_and_never_subscribes_again(clock):
     g = kvgate.Gate(FlakyRedis(server=server), gate="g", config=kvgate.GateConfig(**FAST), clock_ms=clock)
     g.write_snapshot(engines())
     leases = [g.acquire(f"s{i}", prompt_tokens=10, max_new_tokens=0, **PLAIN) for i in range(3)]
-    g._trip()
+    g._flows.trip()
     for lease in leases:
         lease.release()
     assert g.deferred_count == 3

@@ -347,8 +347,8 @@ def test_tool_gap_is_a_geometric_mean(backend, clock):
 def test_clients_report_each_sessions_time_away_once(backend, monkeypatch):
     # the sync and the async gate time a session's gap from the end of its last turn (held or
     # bypassed) to its next acquire, report it once, and forget it with the session
-    from kvgate.client import base as _base
-    from kvgate.client.flows import Eval, TurnRequest, Wait, acquire_flow
+    from kvgate.client import flows as _flows
+    from kvgate.client.flows import Eval, GateFlows, Listen, Wait
     g = mkgate(backend)
     g.write_snapshot(engines(cap=1000, usage=0.1))
     with g.turn("s", prompt_tokens=10, max_new_tokens=0) as lease:
@@ -359,19 +359,23 @@ def test_clients_report_each_sessions_time_away_once(backend, monkeypatch):
     assert int(g.redis.hget(g.key("ledger"), "ngap")) == 1  # the first turn had no gap to report
     assert 0.05 <= 2.718281828 ** float(g.redis.hget(g.key("ledger"), "lgap")) < 5.0
     g.finish_session("s")
-    assert "s" not in g._last_end
+    assert "s" not in g._flows.last_end
     with g.turn("s", prompt_tokens=10, max_new_tokens=0):
         pass
     assert int(g.redis.hget(g.key("ledger"), "ngap")) == 1
     # bounded memory: the oldest sessions are forgotten first
-    monkeypatch.setattr(_base, "MAX_TRACKED_SESSIONS", 2)
+    monkeypatch.setattr(_flows, "MAX_TRACKED_SESSIONS", 2)
     for sid in ("x", "y", "z"):
-        g._turn_ended(sid)
-    assert list(g._last_end) == ["y", "z"]
+        g._flows.turn_ended(sid)
+    assert list(g._flows.last_end) == ["y", "z"]
     # the flow sends the gap with the attempt's first call only, not with its re-checks
-    req = TurnRequest(session_id="s", ticket="t", need=5, prompt_tokens=5, prompt_ids=None, gap_s=0.25)
-    flow = acquire_flow(g.config, req, g._knobs, False, time.monotonic)
-    op = next(flow)
+    now = [100.0]
+    f = GateFlows("g1", g.config, clock=lambda: now[0])
+    f.turn_ended("s")
+    now[0] += 0.25
+    flow = f.acquire("s", has_probe=False, prompt_tokens=5, max_new_tokens=0)
+    assert isinstance(next(flow), Listen)
+    op = flow.send(None)
     assert isinstance(op, Eval) and op.params["gap"] == 250.0
     assert isinstance(flow.send({"o": "wait", "r": "queued", "w": 0, "mw": 30000}), Wait)
     op = flow.send("timeout")
@@ -390,7 +394,7 @@ def test_async_gate_reports_the_gap(redis_url):
                 await asyncio.sleep(0.05)
             n = int(await g.redis.hget(g.key("ledger"), "ngap"))
             await g.finish_session("as")
-            assert "as" not in g._last_end
+            assert "as" not in g._flows.last_end
             return n
         finally:
             await g.aclose()
@@ -539,9 +543,9 @@ class _ParkingGate(kvgate.Gate):
         self.replies: list[dict] = []
         self._cv = threading.Condition()
 
-    def _eval(self, name, params):
-        r = super()._eval(name, params)
-        if name == "acquire":
+    def _eval(self, op):
+        r = super()._eval(op)
+        if op.script == "acquire":
             with self._cv:
                 self.replies.append(r)
                 self._cv.notify_all()
@@ -1079,7 +1083,7 @@ def test_lifecycle_join_ignores_turns_released_by_hand(backend, clock):
     with g.turn("s", prompt_tokens=12, max_new_tokens=1):
         pass
     out = g.finish_session("s")
-    assert out["joined"] is True and out["close"]["attempts"] == 1  # one engine URL in the snapshot
+    assert (out["joined"], out["aborted"]) == (0, 0) and out["close"]["attempts"] == 1  # one engine URL in the snapshot
 
 
 def json_lease(gate, ticket):

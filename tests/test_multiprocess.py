@@ -117,11 +117,12 @@ class _RecordingGate(kvgate.Gate):
         super().__init__(*a, **kw)
         self.calls = _CallLog()
 
-    def _call(self, name, params):
+    def _eval(self, op):
+        name, params = op.script, op.params
         prev = self.calls.sent(name, params)
         r = None
         try:
-            r = super()._call(name, params)
+            r = super()._eval(op)
         finally:
             self.calls.back(name, params, prev, r)
         return r
@@ -132,11 +133,12 @@ class _RecordingAsyncGate(kvgate.AsyncGate):
         super().__init__(*a, **kw)
         self.calls = _CallLog()
 
-    async def _call(self, name, params):
+    async def _eval(self, op):
+        name, params = op.script, op.params
         prev = self.calls.sent(name, params)
         r = None
         try:
-            r = await super()._call(name, params)
+            r = await super()._eval(op)
         finally:
             self.calls.back(name, params, prev, r)
         return r

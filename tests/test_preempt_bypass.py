@@ -54,8 +54,9 @@ def test_the_head_that_a_protected_retry_ends_lets_the_next_waiter_in(backend):
     # A protected retry of T1's session ends T1: X is granted at once, not at the next release
     clock = Clock()
     g = mkgate(backend, clock, admission=True, residency=False)
-    g.write_snapshot(engines(usage=0.5, cap=1000))
-    assert script(g, "acquire", ticket="T1", session="s", need=5000, probe=0.0)["o"] == "wait"
+    g.write_snapshot(engines(usage=0.5, cap=1000))  # ceiling 900
+    assert script(g, "acquire", ticket="H", session="h", need=800, probe=0.0)["o"] == "admit"
+    assert script(g, "acquire", ticket="T1", session="s", need=500, probe=0.0)["o"] == "wait"
     clock.advance(0.1)
     assert script(g, "acquire", ticket="X", session="x", need=10, probe=0.0)["o"] == "wait"
     assert fifo(g) == [b"T1", b"X"]

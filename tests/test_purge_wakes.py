@@ -46,11 +46,11 @@ class _WatchedGate(kvgate.Gate):
         self.replies: list[tuple[str, dict]] = []
         self._cv = threading.Condition()
 
-    def _eval(self, name, params):
-        r = super()._eval(name, params)
-        if name == "acquire":
+    def _eval(self, op):
+        r = super()._eval(op)
+        if op.script == "acquire":
             with self._cv:
-                self.replies.append((params["ticket"], r))
+                self.replies.append((op.params["ticket"], r))
                 self._cv.notify_all()
         return r
 

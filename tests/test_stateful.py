@@ -56,6 +56,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 import kvgate
 from kvgate import keys as kvkeys
+from kvgate.client.flows import snapshot_params
 
 pytestmark = pytest.mark.redis_real
 
@@ -179,7 +180,8 @@ class GateMachine(RuleBasedStateMachine):
     # -- one atomic step -------------------------------------------------------------------
     def call(self, script: str, **params) -> dict:
         pre = self.state
-        raw = self.gate._scripts[script](keys=self.gate._keys, args=self.gate._args(params))
+        argv = list(self.gate._flows.eval_op(script, params).argv)
+        raw = self.gate._scripts[script](keys=self.gate._keys, args=argv)
         out = json.loads(raw)
         post = GateState(self.r, self.gate)
         self.check_transition(pre, post, script, params)
@@ -475,14 +477,14 @@ class GateMachine(RuleBasedStateMachine):
             assert self.call("release", ticket=ticket)["released"] == 0
 
     @precondition(lambda self: self.waiting or self.probing or self.held)
-    @rule(data=st.data(), aged=st.booleans())
-    def cancel(self, data, aged):
+    @rule(data=st.data(), degraded=st.booleans())
+    def cancel(self, data, degraded):
         # (a held ticket: an asyncio cancel that lands after Redis answered the claim)
         ticket = data.draw(st.sampled_from(sorted(self.waiting | self.probing | self.held)))
         pre = self.state
         w = pre.waiters.get(ticket)
         expect = "lease" if ticket in pre.leases else ("waiter" if w and w["st"] == "w" else "none")
-        out = self.call("cancel", ticket=ticket, aged=1 if aged else 0)
+        out = self.call("cancel", ticket=ticket, degraded=1 if degraded else 0)
         assert out["removed"] == expect, (out, expect)
         assert ticket not in self.state.leases and ticket not in self.state.waiters
         self.waiting.discard(ticket)
@@ -515,7 +517,7 @@ class GateMachine(RuleBasedStateMachine):
         pre = self.state
         engines = [kvgate.EngineState(e, capacity_tokens=c, usage=usage, healthy=h, url=e)
                    for e, c, h in zip(ENGINE_IDS, caps, healthy)]
-        params = self.gate._snapshot_params(engines, measured)
+        params = snapshot_params(engines, measured)
         out = self.call("write_snapshot", **params)
         sig = "\n".join(sorted(e for e, h in zip(ENGINE_IDS, healthy) if h))
         old = pre.snap.get("healthy_sig")
@@ -694,7 +696,7 @@ def test_a_place_held_for_a_probing_retry(redis_url, then):
     if then == "recheck_preempted":
         steps += [lambda: m.poll_cycle(data=_Pick("t000"), ms=200)]
     else:
-        steps += [lambda: m.cancel(aged=False, data=_Pick("t001")), acq(0.0)]
+        steps += [lambda: m.cancel(degraded=False, data=_Pick("t001")), acq(0.0)]
     _run_steps(m, steps)
     if then == "cancel_the_prober_then_retry":
         assert m.state.fifo.get("t002") == 1.0  # the session's place, not the back

@@ -99,7 +99,7 @@ def test_plain_commands_respect_the_breaker():
         raise redis.ConnectionError("Redis went away")
     g.redis.hget = failing_hget
     assert g.num_preempted("s") == 0
-    assert g._breaker_open()  # the fault tripped the breaker
+    assert g._flows.breaker_open()  # the fault tripped the breaker
     n = len(calls)
     assert g.num_preempted("s") == 0
     assert len(calls) == n  # skipped while the breaker is open: no more time on a dead Redis
@@ -139,7 +139,7 @@ def test_a_close_is_sent_while_the_breaker_is_open():
     g = kvgate.Gate(fakeredis.FakeRedis(), gate="cb", config=cfg(session_lifecycle=True, close_timeout_s=2.0))
     g.write_snapshot([kvgate.EngineState("http://127.0.0.1:9", capacity_tokens=1000, usage=0.1, healthy=True,
                                          url="http://127.0.0.1:9")])  # nothing listens there
-    g._trip()
+    g._flows.trip()
     out = g.finish_session("s")
     assert out["close"] == {"attempts": 1, "failures": 1}
 
@@ -160,7 +160,7 @@ def test_the_async_close_is_sent_while_the_breaker_is_open():
                              config=cfg(session_lifecycle=True, close_timeout_s=2.0))
         await g.write_snapshot([kvgate.EngineState("http://127.0.0.1:9", capacity_tokens=1000, usage=0.1,
                                                    healthy=True, url="http://127.0.0.1:9")])
-        g._trip()
+        g._flows.trip()
         out = await g.finish_session("s")
         await g.aclose()
         return out

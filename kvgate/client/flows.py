@@ -1,54 +1,227 @@
-"""The pure core of a turn's admission: what to call next, how to decode it, when to
-wait, when to give up. No I/O here; the sync ``Gate`` and the ``AsyncGate`` drive the same
-generator (the httpx ``auth_flow`` idea), so the logic is written once.
+"""Every gate operation, written once, with no I/O: the sync ``Gate`` and the ``AsyncGate``
+drive the same generators (httpx's ``Auth.auth_flow``, psycopg's generators).
 
-The generator yields operations and receives their results:
+A flow yields operations (``Listen``, ``Eval``, ``Command``, ``Pipeline``, ``Probe``, ``Wait``,
+``Join``, ``Close``: each class says what it answers) and receives their results, and returns
+what the public method returns. ``Gate._run`` and ``AsyncGate._run`` are the two drivers: one
+loop each that performs the operations with blocking or asyncio I/O.
 
-- ``Eval(script, params)`` -> the script's decoded JSON reply; on a Redis fault the driver
-  throws ``RedisDown`` into the generator instead.
-- ``Probe()`` -> a ``ProbeResult`` (the driver turns errors and timeouts into UNAVAILABLE).
-- ``Wait(timeout_s)`` -> "signal" (a pub/sub message for this ticket), "timeout" or "abort".
+When Redis cannot answer an ``Eval``, ``Command`` or ``Pipeline``, the driver throws
+``RedisDown`` into the flow instead of a result. When anything else stops the driver
+mid-operation (``KeyboardInterrupt``, asyncio cancellation), it throws ``Interrupted``: the
+flow gives back what its ticket may hold, and the driver then raises the original exception.
 
-It returns a ``Decision`` or raises ``Preempted`` / ``AdmissionCancelled`` /
-``AdmissionTimeout``.
+The breaker, the give-backs deferred after a fault, this process's counters and what it
+remembers of each session live in one ``GateFlows`` per gate; time comes from its injected
+``clock`` (and the scripts' from ``script_clock_ms``). ``Run`` is a driver's bookkeeping of
+one flow: it steps the generator and says which driver method performs each operation.
+
+This module is over 400 lines on purpose: a turn's whole path, from the arguments of
+``acquire`` to the script's ARGV, reads top to bottom here, once, and hands the driver an
+operation it only has to perform (no module between them, none visited twice).
 """
 from __future__ import annotations
 
+import json
+import logging
 import math
+import threading
+import time
 import uuid
-from dataclasses import dataclass
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generator, Sequence
 
+from .. import keys as _keys
+from .._urls import normalize_base_url
 from ..config import GateConfig
 from ..errors import AdmissionCancelled, AdmissionTimeout, Preempted, ScriptError
-from .probe import ProbeResult
+from . import metrics
+from .probe import UNAVAILABLE, ProbeResult
+from .snapshot import EngineState, SnapshotResult
+
+log = logging.getLogger("kvgate")
+
+Flow = Generator[Any, Any, Any]
+
+#: after a Redis fault, calls skip Redis for this long (turns bypass as degraded), so a dead
+#: Redis costs one timeout per breaker period, not one per turn
+BREAKER_S = 1.0
+#: releases and cancels kept to send once Redis answers again (the oldest dropped past this:
+#: their leases are then reclaimed by ``lease_ttl_s``)
+MAX_DEFERRED = 4096
+#: most deferred give-backs one call sends before its own script
+DEFERRED_BATCH = 32
+#: sessions whose last turn end this process remembers (for the tool gap it reports)
+MAX_TRACKED_SESSIONS = 65536
+#: a close that went to no engine is logged at most once per this many seconds (always counted)
+CLOSE_WARN_EVERY_S = 60.0
+#: the most tokens a turn's prompt or decode budget may claim: far above any model's
+#: context, and low enough that the ledger's sums stay exact in the scripts (Lua's ``%d``
+#: and cjson's 14 significant digits)
+MAX_TURN_TOKENS = 2**31 - 1
+#: the longest session id (it is part of Redis keys: ``:window:<session>``)
+MAX_SESSION_ID = 512
 
 
-class RedisDown(Exception):
-    """Thrown into a flow when Redis could not answer (fault, timeout, breaker open)."""
-
-
-class BreakerOpen(RedisDown):
-    """RedisDown raised before anything was sent (the breaker is open after a recent fault),
-    so the script certainly did not run."""
+# -- operations ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Listen:
+    """Wake this run's ``Wait`` on pub/sub messages naming ``ticket`` -> None."""
+    ticket: str
 
 
 @dataclass(frozen=True)
 class Eval:
+    """Call a Lua script with ``argv`` (the script clock, and the knobs with ``params`` as
+    JSON: ``GateFlows.eval_op`` builds it) -> its decoded reply."""
     script: str
     params: dict
+    argv: tuple = field(default=(), compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One plain Redis command, a redis-py method name and its arguments -> its reply."""
+    name: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Several ``Command``s sent together (no transaction) -> their replies."""
+    commands: tuple
 
 
 @dataclass(frozen=True)
 class Probe:
-    pass
+    """Ask the gate's residency probe -> a ``ProbeResult`` (UNAVAILABLE on errors and timeouts)."""
+    session_id: str
+    prompt_ids: Sequence[int]
 
 
 @dataclass(frozen=True)
 class Wait:
+    """Sleep until a message names the ticket, the abort event is set, or ``timeout_s`` ->
+    "signal", "abort" or "timeout"."""
     timeout_s: float
 
 
+@dataclass(frozen=True)
+class Join:
+    """Wait up to ``timeout_s`` for the session's other turns in flight in this process, then
+    abort those still running -> (joined, aborted)."""
+    session_id: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Close:
+    """``POST /close_session`` to every URL -> a ``CloseResult``."""
+    urls: tuple
+    session_id: str
+    timeout_s: float
+
+
+class RedisDown(Exception):
+    """Thrown into a flow when Redis could not answer (fault, timeout, breaker open);
+    ``error`` is what the client raised (None when nothing was sent)."""
+
+    def __init__(self, message: str, error: BaseException | None = None):
+        super().__init__(message)
+        self.error = error
+
+
+class BreakerOpen(RedisDown):
+    """A RedisDown before anything was sent (the breaker is open after a recent fault, or
+    the deferred give-backs ahead of the call failed), so the call certainly did not run."""
+
+
+class Interrupted(Exception):
+    """Thrown into a flow when its driver was stopped mid-operation by something else than a
+    Redis fault (``error``): the flow gives back what it may hold and lets it propagate."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(repr(error))
+        self.error = error
+
+
+# -- one run of a flow by a driver ----------------------------------------------------------
+class Run:
+    """One run of a flow by a driver: what to send into the flow next, the pub/sub event
+    of its ticket (``Listen`` is done here, with the driver's listener), the caller's abort
+    event, and the exception that interrupted it."""
+
+    DONE = object()
+
+    def __init__(self, flow: Flow, listener: Any, abort: Any = None):
+        self.flow = flow
+        self.listener = listener
+        self.abort = abort
+        self.ticket: str | None = None
+        self.event: Any = None
+        self.value: Any = None
+        self.interrupted: BaseException | None = None
+        self._send: Any = None
+        self._throw: BaseException | None = None
+
+    def next(self) -> Any:
+        """The flow's next operation for the driver, or ``DONE`` (its result in ``value``).
+        After an interruption, the interrupting exception is raised once the flow cleaned up."""
+        while True:
+            try:
+                op = self.flow.throw(self._throw) if self._throw is not None else self.flow.send(self._send)
+            except StopIteration as stop:
+                if self.interrupted is not None:
+                    raise self.interrupted
+                self.value = stop.value
+                return self.DONE
+            except Interrupted as i:
+                raise i.error from None
+            self._send, self._throw = None, None
+            if not isinstance(op, Listen):
+                return op
+            self.ticket, self.event = op.ticket, self.listener.register(op.ticket)
+
+    def close(self) -> None:
+        """The run is over: stop listening for its ticket, and close the flow."""
+        if self.ticket is not None:
+            self.listener.unregister(self.ticket)
+        self.flow.close()
+
+    def send(self, result: Any) -> None:
+        self._send = result
+
+    def handler(self, driver: Any, op: Any) -> tuple[Callable, tuple]:
+        """The driver method that performs ``op``, and its arguments."""
+        if isinstance(op, Eval):
+            return driver._eval, (op,)
+        if isinstance(op, Wait):
+            return driver._wait, (self.event, op.timeout_s, self.abort)
+        if isinstance(op, Probe):
+            return driver._probe, (op,)
+        if isinstance(op, (Command, Pipeline)):
+            return driver._command, (op,)
+        if isinstance(op, Join):
+            return driver._join, (op.session_id, op.timeout_s)
+        if isinstance(op, Close):
+            return driver._close_session, (op,)
+        raise AssertionError(f"no driver for {op!r}")
+
+    def fail(self, e: BaseException) -> None:
+        """An operation raised ``e``: a Redis fault goes into the flow as it is, anything else
+        (a second time: raised) as ``Interrupted``."""
+        if isinstance(e, RedisDown):
+            self._throw = e
+        elif self.interrupted is None:
+            self.interrupted = e
+            self._throw = Interrupted(e)
+        else:
+            raise e
+
+
+# -- what a turn asks and what it gets -------------------------------------------------------
 @dataclass(frozen=True)
 class TurnRequest:
     session_id: str
@@ -72,12 +245,9 @@ class Decision:
     tokens: int = 0
     epoch: int = -1
     held: bool = False      # True when Redis holds a lease that must be released
-
-
-#: the most tokens a turn's prompt or decode budget may claim: far above any model's
-#: context, and low enough that the ledger's sums stay exact in the scripts (Lua's ``%d``
-#: and cjson's 14 significant digits)
-MAX_TURN_TOKENS = 2**31 - 1
+    session_id: str = ""
+    ticket: str = ""
+    turn_index: int | None = None
 
 
 def new_ticket() -> str:
@@ -85,10 +255,12 @@ def new_ticket() -> str:
 
 
 def check_session_id(session_id: Any) -> str:
-    """A session id the scripts can carry: a non-empty str of at most 512 characters that
-    encodes as UTF-8 (a lone surrogate would make every script call for it fail)."""
-    if not isinstance(session_id, str) or not session_id or len(session_id) > 512:
-        raise ValueError(f"session_id must be a non-empty string of at most 512 characters, got {session_id!r}")
+    """The one rule for a session id, used by the gates, the close fan-out and the probes: a
+    non-empty str of at most ``MAX_SESSION_ID`` characters that encodes as UTF-8 (a lone
+    surrogate would make every script call for it fail)."""
+    if not isinstance(session_id, str) or not session_id or len(session_id) > MAX_SESSION_ID:
+        raise ValueError(f"session_id must be a non-empty string of at most {MAX_SESSION_ID} characters, "
+                         f"got {session_id!r}")
     try:
         session_id.encode("utf-8")
     except UnicodeEncodeError:
@@ -96,10 +268,14 @@ def check_session_id(session_id: Any) -> str:
     return session_id
 
 
-def build_request(cfg: GateConfig, session_id: Any, *, prompt_ids: Sequence[int] | None = None,
-                  prompt_tokens: int | None = None, max_new_tokens: Any = None, protected: bool = False,
-                  scope: str = "train", retain_session: bool = True, turn_index: int | None = None,
-                  timeout_s: float | None = None, ticket: str | None = None) -> TurnRequest:
+#: what a turn may say it is (``scope=``); the gate's config ``scope`` says which it gates
+TURN_SCOPES = ("train", "eval")
+
+
+def build_request(cfg: GateConfig, session_id: Any, *, max_new_tokens: Any, prompt_ids: Sequence[int] | None = None,
+                  prompt_tokens: int | None = None, protected: bool = False, scope: str = "train",
+                  retain_session: bool = True, turn_index: int | None = None, timeout_s: float | None = None,
+                  ticket: str | None = None) -> TurnRequest:
     """Validate a turn's arguments (before anything touches Redis) and size its reservation."""
     check_session_id(session_id)
     if (prompt_ids is None) == (prompt_tokens is None):
@@ -118,8 +294,9 @@ def build_request(cfg: GateConfig, session_id: Any, *, prompt_ids: Sequence[int]
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if max_new_tokens > MAX_TURN_TOKENS:
         raise ValueError(f"max_new_tokens={max_new_tokens} is more than a turn may claim ({MAX_TURN_TOKENS})")
-    if scope not in ("train", "eval"):
-        raise ValueError(f"scope must be 'train' or 'eval', got {scope!r}")
+    if scope not in TURN_SCOPES:
+        raise ValueError(f"a turn's scope is what the turn is, 'train' or 'eval', got {scope!r} (the gate's "
+                         f"config scope, 'train' or 'all', says which of them it gates)")
     if turn_index is not None and (isinstance(turn_index, bool) or not isinstance(turn_index, int) or turn_index < 0):
         raise ValueError(f"turn_index must be an int >= 0, got {turn_index!r}")
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
@@ -153,88 +330,442 @@ def knob_params(cfg: GateConfig, channel: str) -> dict:
     }
 
 
+def snapshot_params(engines: Sequence[EngineState], budget_scale: float | None = None) -> dict:
+    """write_snapshot.lua's parameters, checked: a list of distinct engines, and the measured
+    budget scale (a finite number > 0) or None."""
+    if isinstance(engines, EngineState) or not all(isinstance(e, EngineState) for e in engines):
+        raise ValueError("write_snapshot takes a list of kvgate.EngineState")
+    ids = [e.engine_id for e in engines]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate engine ids in snapshot: {sorted(ids)}")
+    params: dict = {"engines": [e.to_script() for e in engines]}
+    if budget_scale is not None:
+        if (isinstance(budget_scale, bool) or not isinstance(budget_scale, (int, float))
+                or not math.isfinite(budget_scale) or budget_scale <= 0):
+            raise ValueError(f"budget_scale must be a finite number > 0, got {budget_scale!r}")
+        params["measured_scale"] = float(budget_scale)
+    return params
+
+
 def passes_through(cfg: GateConfig, req: TurnRequest) -> bool:
     """Rule 1: no gating feature on, or the turn is outside the gate's scope."""
     return not cfg.gating or (cfg.scope == "train" and req.scope != "train")
 
 
-def acquire_flow(cfg: GateConfig, req: TurnRequest, knobs: dict, has_probe: bool,
-                 clock: Callable[[], float]) -> Generator[Any, Any, Decision]:
-    if passes_through(cfg, req):
-        return Decision("pass", "")
-    start = clock()
-    # the scripts age the FIFO head by the Redis clock; this local bound is the safety net
-    # that keeps "no wait past max_wait_hard_s + one poll" even if that clock misbehaves
-    hard_deadline = start + cfg.max_wait_hard_s + cfg.wait_poll_s
-    no_probe = -2
-    params = dict(knobs, ticket=req.ticket, session=req.session_id, need=req.need,
-                  protected=1 if req.protected else 0, retain=1 if req.retain else 0,
-                  probe=-1 if (cfg.residency and has_probe) else no_probe)
-    if req.gap_s is not None:
-        params["gap"] = round(req.gap_s * 1000.0, 1)
-    probe_default = params["probe"]
+# -- the flows -------------------------------------------------------------------------------
+class GateFlows:
+    """One gate's operations as flows, and the process-local state they share (thread-safe:
+    a sync gate runs flows from many threads). ``clock`` is monotonic seconds."""
 
-    def degraded() -> Decision:
-        return Decision("bypass", "protected" if req.protected else "degraded", clock() - start)
+    def __init__(self, name: str, config: GateConfig, clock: Callable[[], float] = time.monotonic,
+                 script_clock_ms: Callable[[], int] | None = None):
+        self.name = name
+        self.config = config
+        self.clock = clock
+        self.script_clock_ms = script_clock_ms  # None: the scripts read Redis time
+        self.knobs = knob_params(config, _keys.channel(name))
+        self._lock = threading.Lock()
+        self._breaker_until = float("-inf")
+        # releases and cancels Redis has not confirmed: ticket -> (script, params); sent
+        # before the next script call once the breaker is closed (docs/concepts.md#failing-open)
+        self._deferred: OrderedDict[str, tuple[str, dict]] = OrderedDict()
+        self.local: Counter = Counter()  # outcomes decided without Redis (pass, degraded on faults)
+        self.turns: Counter = Counter()  # session -> next turn index
+        self.last_end: OrderedDict[str, float] = OrderedDict()  # session -> clock() at its last turn end
+        self._close_warned_at: float | None = None
+        self._close_unlogged = 0
 
-    try:
-        r = yield Eval("acquire", params)
-    except RedisDown:
-        return degraded()
-    params.pop("gap", None)  # one sample per attempt: re-checks do not report it again
-    while True:
-        o = r.get("o")
-        if o == "admit":
-            return Decision("admit", r["r"], float(r.get("w", 0)) / 1000.0, int(r.get("t", 0)),
-                            int(r.get("ep", -1)), held=True)
-        if o == "bypass":
-            return Decision("bypass", r["r"], float(r.get("w", 0)) / 1000.0, 0, int(r.get("ep", -1)))
-        if o == "preempted":
-            raise Preempted(req.session_id, req.ticket, r.get("r", "preempted"))
-        if o == "probe":
-            if "b" in r and "t0" not in params:
-                params["t0"] = r["b"]  # when this attempt began (by the scripts' clock)
-            result: ProbeResult = yield Probe()
-            params["probe"] = result.hit_ratio if result.hit_ratio is not None else no_probe
-        elif o == "wait":
-            now = clock()
-            if now >= hard_deadline:
-                if params.get("age") != 1:
-                    # this process's clock says the wait is over while the script's (Redis
-                    # time, from the enqueue) does not yet: ask the script to age it now, so
-                    # an aged turn is decided there like any other (lease and window, or bypass)
-                    params["age"] = 1
-                    try:
-                        r = yield Eval("acquire", params)
-                    except RedisDown:
-                        return degraded()
-                    continue
-                yield from _cancel(req, aged=True)
-                return Decision("bypass", "aged", now - start, epoch=0)
-            if req.timeout_s is not None and now - start >= req.timeout_s:
-                yield from _cancel(req)
-                raise AdmissionTimeout(f"turn of session {req.session_id!r} waited {now - start:.3f}s "
-                                       f"(timeout_s={req.timeout_s})")
-            # re-check every poll: the head may age (no progress for max_wait_s) at any time
-            timeout = min(cfg.wait_poll_s, max(0.0, hard_deadline - now) + 0.01)
-            if req.timeout_s is not None:
-                timeout = min(timeout, max(0.0, req.timeout_s - (now - start)) + 0.001)
-            ev = yield Wait(timeout)
-            if ev == "abort":
-                yield from _cancel(req)
-                raise AdmissionCancelled(f"turn of session {req.session_id!r} was aborted while waiting")
-            params["probe"] = probe_default
+    def key(self, name: str) -> str:
+        return _keys.key(self.name, name)
+
+    def eval_op(self, script: str, params: dict) -> Eval:
+        """The call of ``script``: ARGV[1] the injected script clock (empty: Redis time),
+        ARGV[2] the knobs with ``params`` as JSON."""
+        now = "" if self.script_clock_ms is None else str(int(self.script_clock_ms()))
+        return Eval(script, params, (now, json.dumps({**self.knobs, **params}, separators=(",", ":"))))
+
+    # -- a turn ---------------------------------------------------------------------------
+    def acquire(self, session_id: Any, *, has_probe: bool, **kw: Any) -> Flow:
+        """Decide one attempt of a turn: returns a ``Decision``, or raises ``Preempted``,
+        ``AdmissionCancelled``, ``AdmissionTimeout`` (``ValueError`` for bad arguments)."""
+        req = self._remember_turn(build_request(self.config, session_id, **kw))
+        if passes_through(self.config, req):
+            d = Decision("pass", "")
         else:
-            raise ScriptError(f"acquire.lua returned an unknown outcome: {r!r}")
+            yield Listen(req.ticket)
+            try:
+                d = yield from self._decide(req, has_probe)
+            except Interrupted:
+                # stopped mid-call or mid-wait: remove the waiter, or give back a lease granted
+                # at that moment (cancel.lua does either, atomically)
+                yield from self._give_back(req.ticket, "cancel", {"ticket": req.ticket})
+                raise
+        d = replace(d, session_id=req.session_id, ticket=req.ticket, turn_index=req.turn_index)
+        if d.outcome == "pass" or (d.outcome == "bypass" and d.epoch < 0):
+            self._count(d)  # outcomes Redis did not count: pass-through, bypasses decided without it
+        return d
+
+    def _decide(self, req: TurnRequest, has_probe: bool) -> Flow:
+        cfg = self.config
+        clock = self.clock
+        sent = False  # a script call for this ticket may have run
+
+        def call(script: str, params: dict) -> Flow:
+            nonlocal sent
+            try:
+                r = yield from self._script(script, dict(params))
+            except RedisDown as e:
+                # a failure after the call left may have run it: give back whatever this ticket
+                # may hold once Redis answers (a failed cancel is retried as it was)
+                if sent or not isinstance(e, BreakerOpen):
+                    sent = True
+                    self._defer(req.ticket, "cancel", params if script == "cancel" else {"ticket": req.ticket})
+                raise
+            sent = True
+            return r
+
+        def cancel(degraded: bool = False) -> Flow:
+            try:
+                yield from call("cancel", {"ticket": req.ticket, "degraded": 1 if degraded else 0})
+            except RedisDown:
+                pass  # deferred by call(); meanwhile its waiter record dies by liveness
+
+        start = clock()
+        # the scripts age the FIFO head by the Redis clock; this local bound is the safety net
+        # that keeps "no wait past max_wait_hard_s + one poll" even if that clock misbehaves
+        hard_deadline = start + cfg.max_wait_hard_s + cfg.wait_poll_s
+        no_probe = -2
+        params = dict(ticket=req.ticket, session=req.session_id, need=req.need,
+                      protected=1 if req.protected else 0, retain=1 if req.retain else 0,
+                      probe=-1 if (cfg.residency and has_probe) else no_probe)
+        if req.gap_s is not None:
+            params["gap"] = round(req.gap_s * 1000.0, 1)
+        probe_default = params["probe"]
+
+        def degraded() -> Decision:
+            return Decision("bypass", "protected" if req.protected else "degraded", clock() - start)
+
         try:
-            r = yield Eval("acquire", params)
+            r = yield from call("acquire", params)
         except RedisDown:
             return degraded()
-        params["probe"] = probe_default
+        params.pop("gap", None)  # one sample per attempt: re-checks do not report it again
+        while True:
+            o = r.get("o")
+            if o == "admit":
+                return Decision("admit", r["r"], float(r.get("w", 0)) / 1000.0, int(r.get("t", 0)),
+                                int(r.get("ep", -1)), held=True)
+            if o == "bypass":
+                return Decision("bypass", r["r"], float(r.get("w", 0)) / 1000.0, 0, int(r.get("ep", -1)))
+            if o == "preempted":
+                raise Preempted(req.session_id, req.ticket, r.get("r", "preempted"))
+            if o == "probe":
+                if "b" in r and "t0" not in params:
+                    params["t0"] = r["b"]  # when this attempt began (by the scripts' clock)
+                result: ProbeResult = UNAVAILABLE
+                if req.prompt_ids is not None:
+                    result = yield Probe(req.session_id, req.prompt_ids)
+                params["probe"] = result.hit_ratio if result.hit_ratio is not None else no_probe
+            elif o == "wait":
+                now = clock()
+                if now >= hard_deadline:
+                    if params.get("age") != 1:
+                        # this process's clock says the wait is over while the script's (Redis
+                        # time, from the enqueue) does not yet: ask the script to age it now, so
+                        # an aged turn is decided there like any other (a lease, and a window)
+                        params["age"] = 1
+                        try:
+                            r = yield from call("acquire", params)
+                        except RedisDown:
+                            return degraded()
+                        continue
+                    # the script would not age it even when asked: a clock fault, so fail open
+                    yield from cancel(degraded=True)
+                    return Decision("bypass", "degraded", now - start, epoch=0)
+                if req.timeout_s is not None and now - start >= req.timeout_s:
+                    yield from cancel()
+                    raise AdmissionTimeout(f"turn of session {req.session_id!r} waited {now - start:.3f}s "
+                                           f"(timeout_s={req.timeout_s})")
+                # re-check every poll: the head may age (no progress for max_wait_s) at any time
+                timeout = min(cfg.wait_poll_s, max(0.0, hard_deadline - now) + 0.01)
+                if req.timeout_s is not None:
+                    timeout = min(timeout, max(0.0, req.timeout_s - (now - start)) + 0.001)
+                ev = yield Wait(timeout)
+                if ev == "abort":
+                    yield from cancel()
+                    raise AdmissionCancelled(f"turn of session {req.session_id!r} was aborted while waiting")
+                params["probe"] = probe_default
+            else:
+                raise ScriptError(f"acquire.lua returned an unknown outcome: {r!r}")
+            try:
+                r = yield from call("acquire", params)
+            except RedisDown:
+                return degraded()
+            params["probe"] = probe_default
 
+    def release(self, ticket: str, latency_s: float, turn_index: int | None) -> Flow:
+        """Give a lease back (an ownership window turns idle); never raises on faults: a
+        release Redis did not confirm is sent again later. True when this call released it."""
+        r = yield from self._give_back(ticket, "release",
+                                       {"ticket": ticket, "lat_ms": latency_s * 1000.0, "turn": turn_index})
+        return bool(r and r.get("released"))
 
-def _cancel(req: TurnRequest, aged: bool = False) -> Generator[Any, Any, None]:
-    try:
-        yield Eval("cancel", {"ticket": req.ticket, "aged": 1 if aged else 0})
-    except RedisDown:
-        pass  # its waiter record dies by liveness, a racing grant by its claim deadline
+    def turn_ended(self, session_id: str) -> None:
+        """A turn of this session ended here (held or not): its tool gap starts now."""
+        with self._lock:
+            self.last_end[session_id] = self.clock()
+            self.last_end.move_to_end(session_id)
+            while len(self.last_end) > MAX_TRACKED_SESSIONS:
+                self.last_end.popitem(last=False)
+
+    def _remember_turn(self, req: TurnRequest) -> TurnRequest:
+        """Number the session's turns, and take the time it spent away (its tool call) since
+        its last turn ended here; taken once, so a retry does not report it again."""
+        changes: dict[str, Any] = {}
+        with self._lock:
+            if req.turn_index is None:
+                changes["turn_index"] = self.turns[req.session_id]
+                self.turns[req.session_id] += 1
+            ended = self.last_end.pop(req.session_id, None)
+        if ended is not None:
+            changes["gap_s"] = max(0.0, self.clock() - ended)
+        return replace(req, **changes) if changes else req
+
+    # -- a session's end ------------------------------------------------------------------
+    def finish_session(self, session_id: Any) -> Flow:
+        """End the session's window, stop its waiting attempt and, with ``session_lifecycle``,
+        join its other turns in flight (up to ``close_timeout_s``; the rest are aborted) and
+        send ``/close_session`` to every engine. Never raises on faults."""
+        check_session_id(session_id)
+        out: dict[str, Any] = {"session_id": session_id}
+        try:
+            out.update((yield from self._script("finish_session", {"session": session_id})))
+        except RedisDown as e:
+            out["error"] = str(e)
+        with self._lock:
+            self.turns.pop(session_id, None)
+            self.last_end.pop(session_id, None)
+        if self.config.session_lifecycle:
+            out["joined"], out["aborted"] = yield Join(session_id, self.config.close_timeout_s)
+            urls, bad = self._close_targets((yield from self._engine_urls()), session_id)
+            res = yield Close(tuple(urls), session_id, self.config.close_timeout_s)
+            attempts, failures = res.attempts + bad, res.failures + bad
+            yield from self.record_close(attempts, failures)
+            out["close"] = {"attempts": attempts, "failures": failures}
+        return out
+
+    def engine_urls(self) -> Flow:
+        """The engine base URLs a session's close goes to ([] when they cannot be read)."""
+        return (yield from self._engine_urls()) or []
+
+    def _engine_urls(self) -> Flow:
+        """The close targets, or None when Redis could not be read. Asked even while the
+        breaker is open: a session's close must not go to no engine because another call
+        failed a moment ago."""
+        if self.config.engine_urls:
+            return list(self.config.engine_urls)
+        try:
+            raw = yield from self._command(Command("hget", (self.key("snapshot"), "engines")), breaker=False)
+        except RedisDown:
+            return None
+        try:
+            engines = json.loads(raw.decode() if isinstance(raw, bytes) else raw) if raw else []
+        except ValueError:
+            return []
+        if not isinstance(engines, list):
+            return []
+        return sorted({e["url"] for e in engines if isinstance(e, dict) and e.get("url")})
+
+    def _close_targets(self, found: list[str] | None, session_id: str) -> tuple[list[str], int]:
+        """The URLs a close goes to, and how many closes already failed: malformed URLs (a
+        snapshot written by hand), and one for a close that can reach no engine, which is
+        logged at warning level at most once per ``CLOSE_WARN_EVERY_S``."""
+        urls: list[str] = []
+        bad = 0
+        for u in found or []:
+            try:
+                urls.append(normalize_base_url(u))
+            except ValueError:
+                bad += 1
+        if urls or bad:
+            return urls, bad
+        why = ("the engine list could not be read from Redis" if found is None else
+               "no engine URL is known (no snapshot with engine URLs, and no engine_urls knob)")
+        now = self.clock()
+        with self._lock:
+            self._close_unlogged += 1
+            if self._close_warned_at is not None and now - self._close_warned_at < CLOSE_WARN_EVERY_S:
+                return urls, 1
+            self._close_warned_at, n = now, self._close_unlogged
+            self._close_unlogged = 0
+        log.warning("gate %s: the close of session %r reached no engine (counted as a failed close): "
+                    "%s; %d such close(s) since the last warning", self.name, session_id, why, n)
+        return urls, 1
+
+    def record_close(self, attempts: int, failures: int) -> Flow:
+        """Count close attempts and failures in the step window and the totals (in this
+        process's counters while Redis cannot answer)."""
+        cmds = tuple(Command("hincrby", (self.key(k), f, n)) for k in ("stats", "totals")
+                     for f, n in (("close", attempts), ("close_failure", failures)))
+        try:
+            yield from self._command(Pipeline(cmds))
+        except RedisDown:
+            with self._lock:
+                self.local["close"] += attempts
+                self.local["close_failure"] += failures
+
+    def num_preempted(self, session_id: Any) -> Flow:
+        """How many waiting attempts of this session newer attempts preempted (0 on faults)."""
+        check_session_id(session_id)
+        try:
+            v = yield from self._command(Command("hget", (self.key("preempted"), session_id)))
+        except RedisDown:
+            return 0
+        return int(v or 0)
+
+    # -- reading and housekeeping ---------------------------------------------------------
+    def step_metrics(self, drain: bool = True) -> Flow:
+        """The step's flat metrics dict; a peek (``drain=False``) leaves the counters."""
+        try:
+            raw = yield from self._script("drain_stats", {"drain": 1 if drain else 0})
+        except RedisDown:
+            raw = None
+        with self._lock:
+            local = dict(self.local)
+            if drain:
+                self.local.clear()
+        return metrics.build_step_metrics(raw, self.config, local)
+
+    def status(self) -> Flow:
+        """The gate's state for operators; Redis errors are raised as they are."""
+        raw = yield from self._operator(self.eval_op("drain_stats", {"drain": 0}))
+        engines, head, totals = yield from self._operator(Pipeline((
+            Command("hget", (self.key("snapshot"), "engines")),
+            Command("zrange", (self.key("fifo"), 0, 9), {"withscores": True}),
+            Command("hgetall", (self.key("totals"),)))))
+        return metrics.build_status(self.name, self.config, raw, engines, head, totals)
+
+    def write_snapshot(self, engines: Sequence[EngineState], budget_scale: float | None = None) -> Flow:
+        """Store a capacity snapshot, with the budget scale the poller measured if given
+        (docs/budget.md); Redis errors are raised as they are (the poller reports them)."""
+        r = yield from self._operator(self.eval_op("write_snapshot", snapshot_params(engines, budget_scale)))
+        return SnapshotResult(epoch=int(r["epoch"]), bumped=bool(r["bumped"]), capacity_tokens=int(r["capacity"]),
+                              usage=float(r["usage"]), n_healthy=int(r["n_healthy"]))
+
+    def housekeep(self, limit: int = 100) -> Flow:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be an int >= 1, got {limit!r}")
+        return (yield from self._operator(self.eval_op("housekeep", {"limit": limit})))
+
+    def bump_epoch(self) -> Flow:
+        return int((yield from self._operator(self.eval_op("bump_epoch", {})))["epoch"])
+
+    # -- Redis: the breaker and the deferred give-backs -----------------------------------
+    def breaker_open(self) -> bool:
+        return self.clock() < self._breaker_until
+
+    def trip(self) -> None:
+        self._breaker_until = self.clock() + BREAKER_S
+
+    def _script(self, name: str, params: dict) -> Flow:
+        """A script call of the turn path: refused while the breaker is open, after the
+        deferred give-backs, and a fault trips the breaker. Raises RedisDown."""
+        if self.breaker_open():
+            raise BreakerOpen("breaker open after a recent Redis fault")
+        if self._deferred:
+            yield from self.flush()
+        try:
+            return (yield self.eval_op(name, params))
+        except RedisDown:
+            self.trip()
+            raise
+
+    def _command(self, op: Command | Pipeline, breaker: bool = True) -> Flow:
+        """Plain commands outside the scripts: skipped while the breaker is open (unless
+        ``breaker`` is False); a fault trips it. Raises RedisDown."""
+        if breaker and self.breaker_open():
+            raise BreakerOpen("breaker open after a recent Redis fault")
+        try:
+            return (yield op)
+        except RedisDown:
+            self.trip()
+            raise
+
+    @staticmethod
+    def _operator(op: Eval | Pipeline) -> Flow:
+        """An operator's call: past the breaker, and a fault is raised as the client raised it."""
+        try:
+            return (yield op)
+        except RedisDown as e:
+            raise (e.error or e) from None
+
+    def _give_back(self, ticket: str, script: str, params: dict) -> Flow:
+        """Send a release or cancel; one Redis did not confirm is kept to send later (both are
+        idempotent per ticket). The reply, or None when deferred."""
+        try:
+            return (yield from self._script(script, params))
+        except RedisDown:
+            self._defer(ticket, script, params)
+            return None
+
+    def _defer(self, ticket: str, script: str, params: dict) -> None:
+        with self._lock:
+            if ticket not in self._deferred:
+                self.local["deferred"] += 1
+            self._deferred[ticket] = (script, params)
+            self._deferred.move_to_end(ticket)
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        while len(self._deferred) > MAX_DEFERRED:
+            self._deferred.popitem(last=False)
+            self.local["deferred_dropped"] += 1
+
+    @property
+    def deferred_count(self) -> int:
+        return len(self._deferred)
+
+    def flush(self) -> Flow:
+        """Send up to ``DEFERRED_BATCH`` deferred give-backs, oldest first. On a fault, or when
+        stopped, what was not confirmed is kept (at the front) and BreakerOpen is raised: the
+        call that found them is not sent either."""
+        with self._lock:
+            items = []
+            while self._deferred and len(items) < DEFERRED_BATCH:
+                t, (script, params) = self._deferred.popitem(last=False)
+                items.append((t, script, params))
+        done = 0
+        try:
+            for _, script, params in items:
+                try:
+                    yield self.eval_op(script, params)
+                except RedisDown as e:
+                    self.trip()
+                    raise BreakerOpen(f"Redis faulted while sending deferred releases: {e}") from e
+                done += 1
+        finally:
+            with self._lock:
+                for t, script, params in reversed(items[done:]):
+                    if t not in self._deferred:
+                        self._deferred[t] = (script, params)
+                        self._deferred.move_to_end(t, last=False)
+                self._drop_oldest()
+
+    def flush_at_close(self) -> Flow:
+        """One pass over the deferred give-backs when the breaker is closed (stopping at the
+        first fault), so a process that ends right after a blip does not leave its last
+        leases charged until ``lease_ttl_s``; none while it is open (a close must not wait
+        on a dead Redis)."""
+        if not self._deferred or self.breaker_open():
+            return
+        try:
+            for _ in range(-(-len(self._deferred) // DEFERRED_BATCH)):
+                yield from self.flush()
+        except RedisDown:
+            pass
+
+    def _count(self, d: Decision) -> None:
+        with self._lock:
+            self.local[d.outcome] += 1
+            if d.outcome == "bypass":
+                self.local["bypass_" + d.reason] += 1

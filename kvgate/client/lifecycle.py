@@ -21,6 +21,8 @@ import httpx
 from kvgate._http import async_client
 from kvgate.control.discovery import HttpError, dedupe_urls, fetch_limited
 
+from .flows import check_session_id
+
 __all__ = ["CloseResult", "with_session_id", "aclose_session", "close_session"]
 
 _CLOSE_BODY_LIMIT = 64 * 1024  # /close_session answers with an empty body
@@ -39,19 +41,13 @@ class CloseResult:
         return self.failures == 0
 
 
-def _check_session_id(session_id: object) -> str:
-    if not isinstance(session_id, str) or not session_id:
-        raise ValueError(f"session_id must be a non-empty str, got {session_id!r}")
-    return session_id
-
-
 def with_session_id(payload: Mapping, session_id: str) -> dict:
     """A copy of a ``/generate`` payload with a top-level ``session_id``; the input is untouched.
 
-    Raises ValueError on an empty id, a non-mapping payload, or a payload already carrying a
-    different ``session_id``.
+    Raises ValueError on a session id the gate would refuse (``flows.check_session_id``), a
+    non-mapping payload, or a payload already carrying a different ``session_id``.
     """
-    sid = _check_session_id(session_id)
+    sid = check_session_id(session_id)
     if not isinstance(payload, Mapping):
         raise ValueError(f"payload must be a mapping, got {type(payload).__name__}")
     prev = payload.get("session_id")
@@ -82,7 +78,7 @@ async def aclose_session(
 
     Bad arguments (empty session id, malformed URL) raise ValueError before any request.
     """
-    sid = _check_session_id(session_id)
+    sid = check_session_id(session_id)
     _check_knobs(timeout_s, concurrency)
     bases = dedupe_urls(urls)
     if not bases:
@@ -124,7 +120,7 @@ def close_session(
     so it is callable from any thread, with or without a running loop, and returns within
     ``timeout_s`` per batch of ``concurrency`` URLs plus 5 s whatever the engines or the
     resolver do (a close that has not answered by then counts as failed everywhere)."""
-    _check_session_id(session_id)
+    check_session_id(session_id)
     _check_knobs(timeout_s, concurrency)
     urls = dedupe_urls(urls)  # ValueError on a malformed URL, before any request
     coro_args = dict(timeout_s=timeout_s, concurrency=concurrency)

@@ -1,5 +1,5 @@
 """Per-step metrics (the flat ``agentic_kv/...`` dict of seed 003 plus the seed-000
-signals) and a Prometheus collector with the same numbers.
+signals), the operators' status dict, and a Prometheus collector with the same numbers.
 
 The scripts count every outcome twice: in a step window (``:stats``, drained by
 ``Gate.step_metrics()``, once per rollout step) and in cumulative totals (``:totals``,
@@ -8,6 +8,7 @@ Redis is unreachable) are counted per process and merged in.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 P = "agentic_kv/"
@@ -102,6 +103,43 @@ def build_step_metrics(raw: dict | None, config: Any, local: dict) -> dict[str, 
     return m
 
 
+def build_status(name: str, config: Any, raw: dict, engines_json: Any, head: list, totals: dict) -> dict:
+    """The gate's state for operators (``Gate.status()``), from drain_stats.lua's reply (read
+    with drain=0, by the Redis clock) and a few plain reads."""
+    def txt(v: Any) -> Any:
+        return v.decode() if isinstance(v, bytes) else v
+    cap = int(raw.get("capacity", 0) or 0)
+    ceiling = int(raw.get("ceiling", 0) or 0)  # capacity x headroom x the budget scale
+    reserved = int(raw.get("reserved", 0) or 0)
+    age_ms = float(raw.get("snapshot_age_ms", -1))
+    age = age_ms / 1000.0 if age_ms >= 0 else None
+    try:
+        engines = json.loads(txt(engines_json)) if engines_json else []
+    except ValueError:
+        engines = []
+    if not isinstance(engines, list):
+        engines = []
+    fresh = age is not None and age <= config.staleness_s and int(raw.get("n_healthy", 0) or 0) > 0
+    hit = float(raw.get("hit_rate", -1))
+    pst = float(raw.get("prefill_s_per_token", -1))
+    pl = float(raw.get("prefill_load", -1))
+    gap = float(raw.get("tool_gap_s", -1))
+    return {
+        "gate": name, "reserved": reserved, "ceiling": ceiling, "capacity": cap,
+        "available": max(0, ceiling - reserved), "usage": float(raw.get("usage", 0) or 0),
+        "epoch": int(raw.get("epoch", 0) or 0), "waiting": int(raw.get("waiting", 0)),
+        "leases": int(raw.get("leases", 0)), "windows": int(raw.get("windows", 0)),
+        "snapshot_age_s": age, "degraded": not fresh, "hit_rate": hit if hit >= 0 else None,
+        "prefill_s_per_token": pst if pst >= 0 else None, "prefill_load": pl if pl >= 0 else None,
+        "tool_gap_s": gap if gap >= 0 else None,
+        "budget_scale": float(raw.get("budget_scale", 1) or 1),
+        "preempted_sessions": int(raw.get("preempted_sessions", 0) or 0),
+        "preempted_max": int(raw.get("preempted_max", 0) or 0),
+        "engines": engines, "fifo_head": [txt(t) for t, _ in head],
+        "totals": {txt(k): float(v) for k, v in totals.items()},
+    }
+
+
 class GateCollector:
     """A prometheus_client custom collector: gate-wide gauges and cumulative counters,
     read from Redis at scrape time (one pipeline). Register it in a CollectorRegistry."""
@@ -128,7 +166,7 @@ class GateCollector:
         yield up
         for name, help_, val in (
             ("kvgate_reserved_tokens", "Tokens reserved by live leases and windows", s["reserved"]),
-            ("kvgate_ceiling_tokens", "Admission ceiling (healthy capacity x headroom)", s["ceiling"]),
+            ("kvgate_ceiling_tokens", "Admission ceiling (healthy capacity x headroom x budget scale)", s["ceiling"]),
             ("kvgate_kv_usage", "Worst engine KV usage in the latest snapshot", s["usage"]),
             ("kvgate_epoch", "Generation of the healthy engine set", s["epoch"]),
             ("kvgate_waiting", "Attempts waiting in the FIFO", s["waiting"]),

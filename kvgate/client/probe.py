@@ -7,8 +7,15 @@ exceeds ``probe_timeout_s`` also counts as unavailable.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import inspect
+import os
+import threading
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+
+#: threads that run a blocking probe, per gate; a probe still running past its timeout keeps its thread
+PROBE_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,85 @@ def coerce(result: object) -> ProbeResult:
     if r is not None and not (0.0 <= r <= 1.0):
         return ProbeResult(None, detail=f"probe returned hit_ratio {r} outside [0, 1]")
     return result  # type: ignore[return-value]
+
+
+class _FunctionProbe:
+    """A plain function ``(session_id, prompt_ids) -> ratio | ProbeResult | None`` as a probe."""
+
+    def __init__(self, fn: Callable):
+        self.probe = fn
+
+
+class _AsyncFunctionProbe:
+    """An ``async def (session_id, prompt_ids)`` function as a probe."""
+
+    def __init__(self, fn: Callable):
+        self.aprobe = fn
+
+
+def as_probe(probe: Any, *, blocking: bool) -> Any:
+    """What a gate calls to probe: None (no probe), an object with ``probe(session_id,
+    prompt_ids)`` and/or ``async aprobe(...)``, or a plain function of the same arguments
+    (wrapped: an ``async def`` one as ``aprobe``, any other as ``probe``). A probe answers a
+    ``ProbeResult``, a bare hit ratio, or None (unavailable). ``blocking``: the gate calls
+    ``probe()`` only (the sync gate). Anything else is a TypeError, never a probe that is
+    silently "unavailable"."""
+    if probe is None:
+        return None
+    has_sync = callable(getattr(probe, "probe", None))
+    has_async = callable(getattr(probe, "aprobe", None))
+    if not (has_sync or has_async):
+        if not callable(probe):
+            raise TypeError(f"probe must be an object with probe(session_id, prompt_ids) or async "
+                            f"aprobe(session_id, prompt_ids), or such a function; got {type(probe).__name__}")
+        is_async = inspect.iscoroutinefunction(probe) or inspect.iscoroutinefunction(getattr(probe, "__call__", None))
+        probe = _AsyncFunctionProbe(probe) if is_async else _FunctionProbe(probe)
+        has_sync = not is_async
+    if blocking and not has_sync:
+        raise TypeError("kvgate.Gate calls probe(session_id, prompt_ids) and this probe is async only "
+                        "(aprobe, or an async def): use kvgate.AsyncGate, or give it a blocking probe()")
+    return probe
+
+
+class ProbeThreads:
+    """A gate's own pool of ``PROBE_THREADS`` for blocking probes (both gates use it: the
+    async gate must not lend the event loop's default executor to a probe, which redis-py's
+    asyncio client needs to resolve host names). ``submit`` answers a future, or an
+    unavailable result at once when every thread is still busy (a probe hanging past its
+    timeout keeps its thread) or the pool is shut down; a child of ``fork`` gets a new pool."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
+        self.running = 0
+
+    def submit(self, fn: Callable, session_id: str, prompt_ids: Any) -> "concurrent.futures.Future | ProbeResult":
+        with self._lock:
+            if self._pid != os.getpid():  # forked: the pool's threads stayed in the parent
+                self._pool, self.running, self._pid = None, 0, os.getpid()
+            if self.running >= PROBE_THREADS:
+                return ProbeResult(None, detail="probe failed: all probe threads busy")
+            self.running += 1
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=PROBE_THREADS,
+                                                                   thread_name_prefix="kvgate-probe")
+            pool = self._pool
+        try:
+            fut = pool.submit(fn, session_id, prompt_ids)
+        except RuntimeError as e:  # the gate was closed
+            self._done(None)
+            return ProbeResult(None, detail=f"probe failed: {e}")
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _done(self, _fut: Any) -> None:
+        with self._lock:
+            self.running -= 1
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class FakeProbe:

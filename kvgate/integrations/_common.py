@@ -5,6 +5,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from kvgate.client.flows import check_session_id  # noqa: F401 - the one rule for a session id, the gate's
+
 try:  # the lead's interface (kvgate/client/probe.py)
     from kvgate.client.probe import ProbeResult
 except ImportError:  # pragma: no cover - only before kvgate.client.probe exists
@@ -17,7 +19,6 @@ except ImportError:  # pragma: no cover - only before kvgate.client.probe exists
         total_tokens: int = 0
         cached_blocks: int = 0
         detail: str = ""
-
 
 MAX_TOKEN_ID = 2**63 - 1
 _INT_ONLY = {int}
@@ -55,12 +56,6 @@ def check_prompt_ids(prompt_ids: Any, what: str = "prompt_ids") -> list[int]:
             raise ValueError(f"{what}[{i}] = {t} is not a valid token id")
         out.append(int(t))
     return out
-
-
-def check_session_id(session_id: Any) -> str:
-    if not isinstance(session_id, str):
-        raise ValueError(f"session_id must be a str, got {type(session_id).__name__}")
-    return session_id
 
 
 def check_timeout(timeout_s: Any, what: str = "timeout_s") -> float:

@@ -32,7 +32,7 @@ import logging
 import os
 from typing import Any
 
-from kvgate.integrations._common import PROBE_METHOD, USAGE_METHOD, check_prompt_ids
+from kvgate.integrations._common import PROBE_METHOD, USAGE_METHOD, check_prompt_ids, check_session_id
 from kvgate._aio import wait_for
 
 logger = logging.getLogger("kvgate.vllm_plugin")
@@ -275,8 +275,11 @@ def attach_routes(app: Any, timeout_s: float = 5.0, token: str | None = None) ->
         except ValueError as e:
             return err(400, str(e))
         sid = body.get("session_id")
-        if sid is not None and not isinstance(sid, str):
-            return err(400, "session_id must be a string")
+        if sid is not None:
+            try:
+                check_session_id(sid)
+            except ValueError as e:
+                return err(400, str(e))
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             return err(400, "cache_salt must be a string")
