@@ -5,6 +5,8 @@
   KEYS: see includes/common.lua (the 14 gate keys).
   ARGV[1] now ms or "" (server TIME); ARGV[2] JSON:
     ticket (str), session (str), need (int tokens = prompt + capped decode budget),
+    prompt (int tokens: the prompt part of need), prev_prompt (optional int tokens: the prompt
+    of the session's last turn, as the caller saw it; for the budget's re-prefill estimate),
     protected (0/1), retain (0/1 open an ownership window when admitted under pressure),
     probe (float): -1 not probed yet, -2 probe unavailable / not configured, else hit ratio 0..1,
     adm, res, hw, pt, hit (hit_threshold), headroom, budget_scale, stale_ms, ttl_ms, grace_ms,
@@ -25,7 +27,9 @@
 --@include common
 --@include state
 
-local ticket, session, need = P.ticket, P.session, math.floor(num(P.need, 0))
+local ticket, session, need, prompt = P.ticket, P.session, math.floor(P.need), math.floor(P.prompt)
+local prev = math.floor(num(P.prev_prompt, 0))
+account()
 
 -- a new attempt may report how long its session was away since its last turn (the typical
 -- tool gap, which kvgate status shows)
@@ -136,7 +140,7 @@ local function admitted(reason, win_mode)
     enq = w.e
     drop_waiter(ticket, w)
   end
-  local g = grant(ticket, session, need, reason, enq, win_mode, false)
+  local g = grant(ticket, session, need, prompt, prev, reason, enq, win_mode, false)
   trim(snap, P.reap)
   advance(P.reap, snap)
   return out("admit", reason, { w = g.a - g.e, t = g.t })
@@ -215,15 +219,16 @@ if band and probe == -1 and (P.adm ~= 1 or reserved() + need <= snap.ceiling) th
 end
 if not w then
   if seq == nil then seq = redis.call("HINCRBY", K.ledger, "seq", 1) end
-  w = { s = session, n = need, e = NOW, st = "w", r = P.retain }
+  w = { s = session, n = need, p = prompt, v = prev, e = NOW, st = "w", r = P.retain }
   if P.t0 ~= nil then w.b = num(P.t0, NOW) end  -- began before enqueueing (a probe round trip)
   jset(K.waiters, ticket, w)
   redis.call("ZADD", K.fifo, I(seq), ticket)
   redis.call("HSET", K.session_waiter, session, ticket)
   stat("wait")
   stat("wait_" .. reason)
-elseif w.n ~= need then
+elseif w.n ~= need or w.p ~= prompt then
   w.n = need
+  w.p = prompt
   jset(K.waiters, ticket, w)
 end
 redis.call("ZADD", K.alive, I(NOW + P.alive_ms), ticket)

@@ -12,6 +12,7 @@
 ]]
 --@include common
 --@include state
+account()
 
 local removed = "none"
 local w = jget(K.waiters, P.ticket)

@@ -10,6 +10,7 @@
 ]]
 --@include common
 --@include state
+account()
 
 local s = P.session
 local res = { window = 0, freed = 0, stopped = "", num_preempted = num(redis.call("HGET", K.preempted, s), 0) }

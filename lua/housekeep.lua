@@ -11,6 +11,7 @@
 ]]
 --@include common
 --@include state
+account()
 
 local n = reap(P.limit)
 local snap = snapshot()

@@ -15,6 +15,7 @@
 ]]
 --@include common
 --@include state
+account()
 
 local l = free_lease(P.ticket)
 if l and P.lat_ms ~= nil and P.turn ~= nil then

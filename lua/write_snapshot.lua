@@ -17,6 +17,7 @@
 ]]
 --@include common
 --@include state
+account()
 
 local cap, usage, nh, hit_sum, hit_n, pst, pl = 0, 0, 0, 0, 0, -1, -1
 local ids = {}

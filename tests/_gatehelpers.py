@@ -32,5 +32,8 @@ def make_client(backend: str, url: str | None):
 
 
 def script(gate: kvgate.Gate, name: str, **params) -> dict:
-    """Call one script directly (one atomic transition)."""
+    """Call one script directly (one atomic transition). An acquire without ``prompt`` is a
+    turn whose whole need is its prompt (the client always sends both)."""
+    if name == "acquire" and "need" in params:
+        params.setdefault("prompt", params["need"])
     return gate._eval(gate._flows.eval_op(name, params))

@@ -158,7 +158,7 @@ def test_status_json_and_rich(redis_url, engine, capsys):
     assert "250.0 us/token" in out and "load 0.42" in out
     assert "tool gap" not in out  # no client reported one yet
     for i in range(8):  # eight turns whose sessions were away 0.3 s
-        gate._eval(gate._flows.eval_op("acquire", {"ticket": f"t{i}", "session": f"s{i}", "need": 1, "protected": 1,
+        gate._eval(gate._flows.eval_op("acquire", {"ticket": f"t{i}", "session": f"s{i}", "need": 1, "prompt": 1, "protected": 1,
                                              "gap": 300}))
     assert main(["status", "--redis", redis_url, "--gate", "cli"]) == 0
     assert "tool gap" in (out := capsys.readouterr().out) and "0.300 s" in out

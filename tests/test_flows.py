@@ -216,14 +216,16 @@ def test_turns_are_numbered_and_the_gap_is_sent_once():
     clock = Clock()
     f = gate_flows(clock)
     flow, op = begin_acquire(f)
-    assert "gap" not in op.params
+    assert "gap" not in op.params and "prev_prompt" not in op.params
     returned(flow, {"o": "admit", "r": "open", "t": 15})
-    f.turn_ended("s")
+    f.turn_ended("s", 10)
     clock.t += 3.0
     flow, op = begin_acquire(f)
     assert op.params["gap"] == 3000.0
+    assert op.params["prev_prompt"] == 10  # what the engines may still hold of this prompt
     assert isinstance(flow.send(WAIT), Wait)
-    assert "gap" not in flow.send("timeout").params  # re-checks do not report it again
+    again = flow.send("timeout").params
+    assert "gap" not in again and again["prev_prompt"] == 10  # re-checks do not report the gap again
     d = returned(flow, {"o": "admit", "r": "open", "t": 15})
     assert d.turn_index == 1
 

@@ -366,12 +366,12 @@ def test_clients_report_each_sessions_time_away_once(backend, monkeypatch):
     # bounded memory: the oldest sessions are forgotten first
     monkeypatch.setattr(_flows, "MAX_TRACKED_SESSIONS", 2)
     for sid in ("x", "y", "z"):
-        g._flows.turn_ended(sid)
-    assert list(g._flows.last_end) == ["y", "z"]
+        g._flows.turn_ended(sid, 10)
+    assert list(g._flows.last_end) == ["y", "z"] and list(g._flows.last_prompt) == ["y", "z"]
     # the flow sends the gap with the attempt's first call only, not with its re-checks
     now = [100.0]
     f = GateFlows("g1", g.config, clock=lambda: now[0])
-    f.turn_ended("s")
+    f.turn_ended("s", 10)
     now[0] += 0.25
     flow = f.acquire("s", has_probe=False, prompt_tokens=5, max_new_tokens=0)
     assert isinstance(next(flow), Listen)
@@ -1205,3 +1205,43 @@ def test_a_peek_at_step_metrics_keeps_this_process_counts(backend):
     assert g.step_metrics(drain=False)["agentic_kv/admission/pass_through"] == 1
     assert g.step_metrics()["agentic_kv/admission/pass_through"] == 1
     assert g.step_metrics()["agentic_kv/admission/pass_through"] == 0
+
+
+# -- what the budget controller reads (kvgate/control/budget.py) ----------------------------
+def counters(g) -> dict:
+    names = ("acc_wait_ms", "acc_idle_ms", "n_released", "tok_fresh", "tok_reusable")
+    return dict(zip(names, (int(v or 0) for v in g.redis.hmget(g.key("ledger"), *names))))
+
+
+def test_the_scripts_integrate_waiting_and_idle_time(backend, clock):
+    g = mkgate(backend, clock, headroom=1.0, wait_poll_s=30, idle_grace_s=600)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    g.acquire("a", prompt_tokens=900, max_new_tokens=0).release()  # an idle window holds the ledger
+    assert wait_call(g, "t", "new")["o"] == "wait"
+    clock.advance(3)
+    g.write_snapshot(engines(cap=1000, usage=0.1))  # 3 s waited, no turn in flight
+    assert counters(g)["acc_wait_ms"] == 3000 and counters(g)["acc_idle_ms"] == 3000
+    busy = g.acquire("a", prompt_tokens=900, max_new_tokens=0)  # a turn in flight now
+    clock.advance(2)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    assert counters(g)["acc_wait_ms"] == 5000 and counters(g)["acc_idle_ms"] == 3000
+    busy.release()
+    script(g, "cancel", ticket="t")
+    clock.advance(4)  # nobody waits: neither counter moves
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    assert counters(g)["acc_wait_ms"] == 5000 and counters(g)["acc_idle_ms"] == 3000
+
+
+def test_the_scripts_count_fresh_and_reusable_prompt_tokens(backend, clock):
+    g = mkgate(backend, clock, idle_grace_s=600)
+    g.write_snapshot(engines(cap=100_000, usage=0.1))
+    g.acquire("s", prompt_tokens=100, max_new_tokens=10).release()
+    assert (counters(g)["tok_fresh"], counters(g)["tok_reusable"]) == (100, 0)
+    g.acquire("s", prompt_tokens=150, max_new_tokens=10).release()  # extends its last prompt, under its window
+    assert (counters(g)["tok_fresh"], counters(g)["tok_reusable"]) == (150, 100)
+    g.acquire("s", prompt_tokens=80, max_new_tokens=10).release()  # a reset context: all new
+    assert (counters(g)["tok_fresh"], counters(g)["tok_reusable"]) == (230, 100)
+    g.finish_session("s")
+    g.acquire("s", prompt_tokens=200, max_new_tokens=10).release()  # no window to remember it by
+    assert (counters(g)["tok_fresh"], counters(g)["tok_reusable"]) == (430, 100)
+    assert counters(g)["n_released"] == 4

@@ -439,11 +439,11 @@ def test_an_async_tick_does_not_stop_the_event_loop_on_a_slow_redis_call(redis_u
     spans: list[tuple[float, float]] = []
     real_write = gate.write_snapshot
 
-    def slow_write(states):
+    def slow_write(states, budget_scale=None):
         t0 = time.monotonic()
         time.sleep(0.3)  # a Redis round trip that stalls
         try:
-            return real_write(states)
+            return real_write(states, budget_scale)
         finally:
             spans.append((t0, time.monotonic()))
 
@@ -732,9 +732,9 @@ def test_a_snapshot_write_that_never_returns_does_not_hang_the_tick(redis_url, s
     release = threading.Event()
     real_write = gate.write_snapshot
 
-    def stuck_write(states):
+    def stuck_write(states, budget_scale=None):
         release.wait(60)
-        return real_write(states)
+        return real_write(states, budget_scale)
 
     gate.write_snapshot = stuck_write
     p = Poller(gate, engines=[e.url], leader_ttl_s=1.5)

@@ -206,6 +206,7 @@ class Lease:
         self.session_id = d.session_id
         self.ticket = d.ticket
         self.turn_index = d.turn_index
+        self.prompt_tokens = d.prompt_tokens
         self.outcome = d.outcome
         self.reason = d.reason
         self.waited_s = d.waited_s
@@ -227,7 +228,7 @@ class Lease:
     def _release(self) -> Generator[Any, Any, bool]:
         if not self._ended:  # the turn is over, held or not: the session's tool gap starts now
             self._ended = True
-            self._gate._flows.turn_ended(self.session_id)
+            self._gate._flows.turn_ended(self.session_id, self.prompt_tokens)
         if self.released:
             return False
         self.released = True

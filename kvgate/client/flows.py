@@ -235,6 +235,7 @@ class TurnRequest:
     turn_index: int | None = None
     timeout_s: float | None = None
     gap_s: float | None = None   # the session's time away since its last turn ended (this process saw it)
+    prev_prompt_tokens: int | None = None  # the prompt of the session's last turn here (what the engines may still hold)
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,7 @@ class Decision:
     session_id: str = ""
     ticket: str = ""
     turn_index: int | None = None
+    prompt_tokens: int = 0
 
 
 def new_ticket() -> str:
@@ -372,6 +374,7 @@ class GateFlows:
         self.local: Counter = Counter()  # outcomes decided without Redis (pass, degraded on faults)
         self.turns: Counter = Counter()  # session -> next turn index
         self.last_end: OrderedDict[str, float] = OrderedDict()  # session -> clock() at its last turn end
+        self.last_prompt: OrderedDict[str, int] = OrderedDict()  # session -> prompt tokens of its last turn
         self._close_warned_at: float | None = None
         self._close_unlogged = 0
 
@@ -400,7 +403,8 @@ class GateFlows:
                 # at that moment (cancel.lua does either, atomically)
                 yield from self._give_back(req.ticket, "cancel", {"ticket": req.ticket})
                 raise
-        d = replace(d, session_id=req.session_id, ticket=req.ticket, turn_index=req.turn_index)
+        d = replace(d, session_id=req.session_id, ticket=req.ticket, turn_index=req.turn_index,
+                    prompt_tokens=req.prompt_tokens)
         if d.outcome == "pass" or (d.outcome == "bypass" and d.epoch < 0):
             self._count(d)  # outcomes Redis did not count: pass-through, bypasses decided without it
         return d
@@ -435,11 +439,13 @@ class GateFlows:
         # that keeps "no wait past max_wait_hard_s + one poll" even if that clock misbehaves
         hard_deadline = start + cfg.max_wait_hard_s + cfg.wait_poll_s
         no_probe = -2
-        params = dict(ticket=req.ticket, session=req.session_id, need=req.need,
+        params = dict(ticket=req.ticket, session=req.session_id, need=req.need, prompt=req.prompt_tokens,
                       protected=1 if req.protected else 0, retain=1 if req.retain else 0,
                       probe=-1 if (cfg.residency and has_probe) else no_probe)
         if req.gap_s is not None:
             params["gap"] = round(req.gap_s * 1000.0, 1)
+        if req.prev_prompt_tokens is not None:
+            params["prev_prompt"] = req.prev_prompt_tokens
         probe_default = params["probe"]
 
         def degraded() -> Decision:
@@ -510,23 +516,29 @@ class GateFlows:
                                        {"ticket": ticket, "lat_ms": latency_s * 1000.0, "turn": turn_index})
         return bool(r and r.get("released"))
 
-    def turn_ended(self, session_id: str) -> None:
-        """A turn of this session ended here (held or not): its tool gap starts now."""
+    def turn_ended(self, session_id: str, prompt_tokens: int) -> None:
+        """A turn of this session ended here (held or not): its tool gap starts now, and its
+        prompt is what the session's next turn extends."""
         with self._lock:
-            self.last_end[session_id] = self.clock()
-            self.last_end.move_to_end(session_id)
-            while len(self.last_end) > MAX_TRACKED_SESSIONS:
-                self.last_end.popitem(last=False)
+            for d, v in ((self.last_end, self.clock()), (self.last_prompt, prompt_tokens)):
+                d[session_id] = v
+                d.move_to_end(session_id)
+                while len(d) > MAX_TRACKED_SESSIONS:
+                    d.popitem(last=False)
 
     def _remember_turn(self, req: TurnRequest) -> TurnRequest:
-        """Number the session's turns, and take the time it spent away (its tool call) since
-        its last turn ended here; taken once, so a retry does not report it again."""
+        """Number the session's turns, take the time it spent away (its tool call) since its
+        last turn ended here (taken once, so a retry does not report it again), and the prompt
+        of that turn (the budget controller's re-prefill estimate, docs/budget.md)."""
         changes: dict[str, Any] = {}
         with self._lock:
             if req.turn_index is None:
                 changes["turn_index"] = self.turns[req.session_id]
                 self.turns[req.session_id] += 1
             ended = self.last_end.pop(req.session_id, None)
+            prev = self.last_prompt.get(req.session_id)
+        if prev is not None:
+            changes["prev_prompt_tokens"] = prev
         if ended is not None:
             changes["gap_s"] = max(0.0, self.clock() - ended)
         return replace(req, **changes) if changes else req
@@ -545,6 +557,7 @@ class GateFlows:
         with self._lock:
             self.turns.pop(session_id, None)
             self.last_end.pop(session_id, None)
+            self.last_prompt.pop(session_id, None)
         if self.config.session_lifecycle:
             out["joined"], out["aborted"] = yield Join(session_id, self.config.close_timeout_s)
             urls, bad = self._close_targets((yield from self._engine_urls()), session_id)

@@ -49,6 +49,7 @@ import redis
 from redis.exceptions import LockError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvgate import keys
 from kvgate._http import async_client
 from kvgate.control.discovery import (
     DEFAULT_MAX_BODY_BYTES,
@@ -58,6 +59,7 @@ from kvgate.control.discovery import (
     HttpError,
     fetch_limited,
 )
+from kvgate.control.budget import BudgetController, Reading
 from kvgate.control.promparse import EngineMetrics, MetricsParseError, parse_metrics
 
 log = logging.getLogger("kvgate.control.poller")
@@ -81,11 +83,7 @@ _monotonic = time.monotonic  # the poller's own clock for its lease (tests repla
 
 
 def leader_key(gate_name: str) -> str:
-    try:
-        from kvgate.keys import key
-    except ImportError:  # pragma: no cover - keys.py is the lead's; same format
-        return f"kvgate:{{{gate_name}}}:poller_leader"
-    return key(gate_name, "poller_leader")
+    return keys.key(gate_name, "poller_leader")
 
 
 @dataclass
@@ -186,6 +184,28 @@ def _scraped_ranks(scrapes: Sequence[ScrapeResult]):
 
 def _kind_guess(s: ScrapeResult) -> str:
     return "vllm" if (s.endpoint.worker_type or "").startswith("vllm") else "sglang"
+
+
+def _cache_counters(res: "TickResult") -> tuple:
+    """The healthy engines' prefix-cache lookups and hits, summed over this tick's scrapes:
+    (queries, hits); (None, None) when an engine does not export them; (False, False) when a
+    scrape failed (its last numbers are older than the others')."""
+    queries = hits = 0.0
+    for s in res.scrapes:
+        if s.metrics is None:
+            if s.endpoint.healthy:
+                return False, False
+            continue
+        for r in s.metrics.ranks:
+            if r.prefix_cache_queries is None or r.prefix_cache_hits is None:
+                return None, None
+            queries += r.prefix_cache_queries
+            hits += r.prefix_cache_hits
+    return queries, hits
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
 
 
 def _redis_of(gate: Any) -> redis.Redis:
@@ -348,6 +368,12 @@ class Poller:
         self._last_good: dict[str, EngineMetrics] = {}  # engine URL -> its last usable scrape
         self._failed_in_a_row: dict[str, int] = {}  # engine URL -> consecutive failed scrapes
         self.scrapes_bridged = 0
+        # the self-sizing budget (docs/budget.md): measured here, published with each snapshot,
+        # unless the gate's config fixes the scale or has no ledger (admission off)
+        cfg = getattr(gate, "config", None)
+        self.measures_budget = bool(getattr(cfg, "admission", False)) and getattr(cfg, "budget_scale", 0) is None
+        self.budget: BudgetController | None = None  # made at the start of each term
+        self._budget_epoch: int | None = None
         self.knobs = {k: getattr(getattr(gate, "config", None), k) for k in WRITE_KNOBS
                       if hasattr(getattr(gate, "config", None), k)}
         log.info("poller %s for gate %s writes snapshots with the gate knobs %s (clients must use the "
@@ -362,6 +388,7 @@ class Poller:
         for d in (self._known_ids, self._counters, self._hit_rates, self._prefill_sums, self._load_base,
                   self._prefill_loads, self._prefill_costs, self._last_good, self._failed_in_a_row):
             d.clear()
+        self.budget = None  # the next budget reading starts from the scale the gate publishes now
 
     # -- leadership -----------------------------------------------------------------------
     def _lease_redis(self) -> bool:
@@ -671,8 +698,9 @@ class Poller:
             res.leader = False
             res.reason = "lost_lease"
             return res
+        scale = await self._measure_budget(res)
         try:
-            res.snapshot = await self._redis_call(self.gate.write_snapshot, res.states)
+            res.snapshot = await self._redis_call(self.gate.write_snapshot, res.states, scale)
             res.wrote = True
             self.writes += 1
         except Exception as e:  # noqa: BLE001 - Redis down, script errors: never kill the loop
@@ -688,6 +716,58 @@ class Poller:
             self._none_healthy = none
         await self._housekeep(res)
         return res
+
+    # -- the budget ---------------------------------------------------------------------------
+    def _budget_redis(self) -> dict:
+        """The gate's counters the budget controller reads, in one round trip (call thread)."""
+        k = lambda n: keys.key(self.name, n)  # noqa: E731
+        p = self.redis.pipeline(transaction=False)
+        p.hmget(k("ledger"), "acc_ts", "acc_wait_ms", "acc_idle_ms", "n_released", "tok_fresh",
+                "tok_reusable", "epoch")
+        p.zcard(k("lease_exp"))
+        p.hlen(k("windows"))
+        p.hget(k("snapshot"), "budget_scale")
+        (acc_ts, wait, idle, released, fresh, reusable, epoch), leases, windows, published = p.execute()
+        return {"acc_ts": acc_ts, "wait": wait, "idle": idle, "released": released, "fresh": fresh,
+                "reusable": reusable, "epoch": epoch, "held": leases + windows, "published": published}
+
+    async def _measure_budget(self, res: TickResult) -> float | None:
+        """The budget scale to publish with this tick's snapshot, or None (the config fixes
+        it, no ledger, or nothing could be read: the last one stands until it is stale)."""
+        if not self.measures_budget:
+            return None
+        try:
+            raw = await self._redis_call(self._budget_redis)
+        except Exception as e:  # noqa: BLE001 - Redis faults: the snapshot write reports them
+            log.debug("budget read failed: %s", e)
+            return None
+        num = lambda v: float(v) if v is not None else 0.0  # noqa: E731
+        epoch = int(num(raw["epoch"]))
+        if self.budget is None:
+            # a new term continues from the scale the gate publishes (a dead leader changes
+            # nothing but freshness)
+            published = num(raw["published"])
+            self.budget = BudgetController(published if published > 0 else 1.0)
+            self._budget_epoch = epoch
+        elif epoch != self._budget_epoch:
+            self.budget.reset()  # another engine set: what was learned was about the old one
+            self._budget_epoch = epoch
+        if raw["acc_ts"] is None:
+            return self.budget.scale  # no script ran yet
+        queries, hits = _cache_counters(res)
+        if queries is False:
+            return self.budget.scale  # a scrape failed this tick: its counters are not comparable
+        reading = Reading(now_ms=num(raw["acc_ts"]), wait_ms=num(raw["wait"]), idle_ms=num(raw["idle"]),
+                          released=int(num(raw["released"])), tok_fresh=int(num(raw["fresh"])),
+                          tok_reusable=int(num(raw["reusable"])), held=int(raw["held"]),
+                          engine_queries=queries, engine_hits=hits)
+        before = self.budget.last
+        scale = self.budget.update(reading)
+        w = self.budget.last
+        if w is not None and w is not before and w.scale_after != w.scale_before:
+            log.info("budget scale %.2f -> %.2f (%s: idle %s, retained %s)", w.scale_before, w.scale_after,
+                     w.why, _pct(w.idle_share), _pct(w.retained))
+        return scale
 
     async def _redis_call(self, fn: Any, *args: Any) -> Any:
         """Run one of the tick's Redis calls (synchronous redis-py: the lease, the snapshot

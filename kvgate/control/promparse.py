@@ -54,6 +54,8 @@ S_QUEUED = "sglang:num_queue_reqs"
 S_HIT_RATE = "sglang:cache_hit_rate"
 S_RETRACTED_TOTAL = "sglang:num_retracted_requests_total"  # counter (newer builds)
 S_RETRACTED_GAUGE = "sglang:num_retracted_reqs"  # gauge (older builds, per interval)
+S_PROMPT_TOKENS = "sglang:prompt_tokens_total"  # prompt tokens looked up (the prefix-cache queries)
+S_CACHED_TOKENS = "sglang:cached_tokens_total"  # of those, found in the radix cache (the hits)
 S_AVAILABLE = "sglang:kv_available_tokens"
 S_EVICTABLE = "sglang:kv_evictable_tokens"
 
@@ -78,7 +80,8 @@ SIM_PREFILL_TOKENS = "kvgate_sim:prefill_computed_tokens_total"
 
 # every sample name parse_metrics reads: bodies are cut down to these before parsing
 _WANTED = frozenset({S_CAPACITY, S_USED, S_USAGE, S_RUNNING, S_QUEUED, S_HIT_RATE, S_RETRACTED_TOTAL,
-                     S_RETRACTED_GAUGE, S_AVAILABLE, S_EVICTABLE, V_CACHE_INFO, V_USAGE, V_USAGE_OLD,
+                     S_RETRACTED_GAUGE, S_AVAILABLE, S_EVICTABLE, S_PROMPT_TOKENS, S_CACHED_TOKENS,
+                     V_CACHE_INFO, V_USAGE, V_USAGE_OLD,
                      V_RUNNING, V_QUEUED, V_HITS, V_QUERIES, V_PREEMPTIONS, V_PREFILL_S,
                      V_PREFILL_TOKENS, SIM_PREFILL_S, SIM_PREFILL_TOKENS})
 
@@ -357,6 +360,8 @@ def _build_rank(kind: str, dp: str | None, g: _Group) -> RankMetrics:
             running_requests=_int_or_none(g.get(S_RUNNING)),
             queued_requests=_int_or_none(g.get(S_QUEUED)),
             hit_rate=_clamp01(g.get(S_HIT_RATE)),
+            prefix_cache_hits=g.get(S_CACHED_TOKENS),
+            prefix_cache_queries=g.get(S_PROMPT_TOKENS),
             preemptions=preempt,
             available_tokens=_int_or_none(g.get(S_AVAILABLE)),
             evictable_tokens=_int_or_none(g.get(S_EVICTABLE)),

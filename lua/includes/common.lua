@@ -5,12 +5,18 @@
   in one Redis Cluster slot):
     KEYS[1]  ledger        HASH   reserved (tokens), epoch, seq (FIFO sequence counter),
                                   wseq (window id counter), progress_ms (the gate's last
-                                  progress), lgap (EWMA of log tool gap, s), ngap (gaps reported)
+                                  progress), lgap (EWMA of log tool gap, s), ngap (gaps reported);
+                                  what the budget controller reads (docs/budget.md): acc_ts,
+                                  acc_wait_ms (time with turns waiting), acc_idle_ms (of that,
+                                  time with no turn in flight), tok_fresh, tok_reusable (prompt
+                                  tokens admitted, new to the engines / the session's last
+                                  prompt, which they may still hold), n_released (leases ended)
     KEYS[2]  snapshot      HASH   ts_ms, capacity, usage, n_engines, n_healthy, healthy_sig,
                                   hit_rate, prefill_s_per_token, prefill_load, engines (JSON),
                                   budget_scale, budget_ts_ms (the poller's measured budget)
     KEYS[3]  fifo          ZSET   ticket -> FIFO sequence number (strict order)
-    KEYS[4]  waiters       HASH   ticket -> JSON {s=session, n=need tokens, e=enqueued ms,
+    KEYS[4]  waiters       HASH   ticket -> JSON {s=session, n=need tokens, p=prompt tokens,
+                                  v=prompt tokens of the session's last turn, e=enqueued ms,
                                   b=began ms (if before e), r=retain, q=FIFO place passed on,
                                   st="w" waiting | "p" preempted | "f" session finished}
     KEYS[5]  alive         ZSET   ticket -> liveness deadline (ms) of a waiter record
@@ -113,6 +119,22 @@ end
 -- released or reclaimed, a window ended. The FIFO head ages only after max_wait_s without any.
 local function progress()
   redis.call("HSET", K.ledger, "progress_ms", I(NOW))
+end
+
+-- integrate the state that held since the last script call (only scripts change it) into the
+-- time counters the budget controller reads: how long turns waited in the FIFO, and how much
+-- of that time no turn of this gate was in flight (the engines had nothing of ours to do).
+-- Called on entry by every script that changes leases or the FIFO.
+local function account()
+  local last = tonumber(redis.call("HGET", K.ledger, "acc_ts"))
+  if last ~= nil and NOW <= last then return end
+  if last ~= nil and redis.call("ZCARD", K.fifo) > 0 then
+    redis.call("HINCRBY", K.ledger, "acc_wait_ms", I(NOW - last))
+    if redis.call("ZCARD", K.lease_exp) == 0 then
+      redis.call("HINCRBY", K.ledger, "acc_idle_ms", I(NOW - last))
+    end
+  end
+  redis.call("HSET", K.ledger, "acc_ts", I(NOW))
 end
 
 -- when the gate last made progress (ms), or nil if it never did

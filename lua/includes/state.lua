@@ -101,10 +101,12 @@ local function trim(snap, limit)
   if P.adm ~= 1 or P.res ~= 1 or not snap.fresh then return 0 end
   -- hysteresis: windows may grow past the ceiling (rules 5 and 7); only when they outgrow
   -- the budget's share of the engines' whole capacity (ceiling / headroom) are windows
-  -- revoked, down to the ceiling
+  -- revoked, down to the ceiling. A scale below 1 admits fewer newcomers but never revokes
+  -- windows the pool still holds: the trim works as at scale 1 then.
+  local over = math.max(1, snap.scale)
   local r = reserved()
-  if r <= snap.capacity * snap.scale then return 0 end
-  local excess = r - snap.ceiling
+  if r <= snap.capacity * over then return 0 end
+  local excess = r - math.floor(snap.capacity * P.headroom * over)
   local n = 0
   local oldest = redis.call("ZRANGE", K.window_order, 0, 0)[1]
   -- window_exp holds idle windows only, scored by grace expiry: the earliest was released first
@@ -183,6 +185,7 @@ local function free_lease(ticket)
   if not l then return nil end
   redis.call("HDEL", K.leases, ticket)
   redis.call("ZREM", K.lease_exp, ticket)
+  redis.call("HINCRBY", K.ledger, "n_released", 1)
   progress()
   if l.w == 1 then
     local win = jget(K.windows, l.s)
@@ -201,11 +204,20 @@ local function free_lease(ticket)
   return l
 end
 
--- open a lease; with `win_mode` the charge goes to the session's window:
+-- open a lease for a turn of `need` tokens, `prompt` of them its prompt, `prev` the prompt of
+-- the session's last turn (0: none known); with `win_mode` the charge goes to the session's
+-- window:
 --   "join"  the session owns a window: hold it (first holder re-sizes its charge)
 --   "open"  open (or keep) the window for this session (admitted under pressure)
-local function grant(ticket, session, need, reason, enq_ms, win_mode, claim)
+local function grant(ticket, session, need, prompt, prev, reason, enq_ms, win_mode, claim)
   local l = { s = session, t = need, w = 0, a = NOW, e = enq_ms or NOW, r = reason, ep = epoch(), c = 0 }
+  -- what the engines should still hold of this prompt: the session's last prompt, when this
+  -- one extends it; the rest is new to them (the budget controller's re-prefill estimate,
+  -- docs/budget.md)
+  local reuse = 0
+  if prev > 0 and prompt >= prev then reuse = prev end
+  redis.call("HINCRBY", K.ledger, "tok_reusable", I(reuse))
+  redis.call("HINCRBY", K.ledger, "tok_fresh", I(prompt - reuse))
   if win_mode ~= nil then
     local win = jget(K.windows, session)
     if win == nil then
@@ -304,7 +316,7 @@ local function advance(limit, snap)
       local win_mode = opens_window(w.r, snap.usage) and "open" or nil
       if block_reason(snap, w.n) ~= nil then break end
       drop_waiter(head, w)
-      grant(head, w.s, w.n, "open", w.e, win_mode, true)
+      grant(head, w.s, w.n, w.p, w.v or 0, "open", w.e, win_mode, true)
       publish("g " .. head)
       granted = granted + 1
     end

@@ -1,0 +1,192 @@
+"""The budget controller (kvgate/control/budget.py) as pure code: scripted readings on a
+scripted clock, no Redis, no engines. It settles, holds under noise, follows a change of
+load, and fails open (to the seeds' ledger, scale 1) when its signals stop."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvgate.control.budget import BACKOFF, IDLE_FLOOR, MIN_RELEASES, BudgetController, Reading
+
+
+class Gate:
+    """A scripted gate: each step is one window of `releases` turns over `span_ms`, during
+    which turns waited `waiting` of the time, the engines idled `idle` of it, and the engines
+    kept `retained` of the reusable history."""
+
+    def __init__(self, held: int = 4, counters: bool = True):
+        self.t = 1_700_000_000_000.0
+        self.wait = self.idle = 0.0
+        self.released = self.fresh = self.reusable = 0
+        self.queries = self.hits = 0.0
+        self.held = held
+        self.counters = counters
+
+    def reading(self) -> Reading:
+        return Reading(now_ms=self.t, wait_ms=self.wait, idle_ms=self.idle, released=self.released,
+                       tok_fresh=self.fresh, tok_reusable=self.reusable, held=self.held,
+                       engine_queries=self.queries if self.counters else None,
+                       engine_hits=self.hits if self.counters else None)
+
+    def window(self, *, idle: float, retained: float, waiting: float = 1.0, span_ms: float = 10_000,
+               releases: int = MIN_RELEASES, reusable: int = 10_000, fresh: int = 1_000) -> Reading:
+        self.t += span_ms
+        self.wait += waiting * span_ms
+        self.idle += idle * span_ms
+        self.released += releases
+        self.fresh += fresh
+        self.reusable += reusable
+        reprefilled = (1.0 - retained) * reusable
+        self.queries += reusable + fresh
+        self.hits += reusable - reprefilled
+        return self.reading()
+
+
+def start(c: BudgetController, g: Gate) -> None:
+    assert c.update(g.reading()) == c.scale  # the first reading opens the first window
+
+
+def test_a_window_closes_after_one_turnover_of_the_held_sessions():
+    c, g = BudgetController(), Gate(held=20)
+    start(c, g)
+    # 19 releases: 20 sessions were held, so not every one has turned over yet
+    assert c.update(g.window(idle=0.5, retained=1.0, releases=19)) == 1.0 and c.last is None
+    assert c.update(g.window(idle=0.5, retained=1.0, releases=1)) > 1.0
+    assert c.last.why == "grow"
+
+
+def test_few_held_sessions_still_need_min_releases():
+    c, g = BudgetController(), Gate(held=2)
+    start(c, g)
+    assert c.update(g.window(idle=0.5, retained=1.0, releases=MIN_RELEASES - 1)) == 1.0
+    assert c.update(g.window(idle=0.5, retained=1.0, releases=1)) > 1.0
+
+
+def test_idle_engines_with_turns_waiting_grow_the_scale_by_the_idle_share():
+    c, g = BudgetController(), Gate()
+    start(c, g)
+    assert c.update(g.window(idle=0.25, retained=1.0)) == pytest.approx(1.25)
+    assert c.update(g.window(idle=0.1, retained=1.0)) == pytest.approx(1.25 * 1.1)
+
+
+def test_busy_engines_and_a_kept_cache_hold_the_scale():
+    c, g = BudgetController(1.5), Gate()
+    start(c, g)
+    for _ in range(30):
+        assert c.update(g.window(idle=0.0, retained=0.9)) == 1.5
+    assert c.last.why == "hold"
+
+
+def test_no_waiting_no_growth():
+    # turns did not wait: however idle the engines, holding back cost nothing
+    c, g = BudgetController(), Gate()
+    start(c, g)
+    for _ in range(5):
+        assert c.update(g.window(idle=0.0, waiting=0.0, retained=1.0)) == 1.0
+
+
+def test_idle_below_the_floor_is_jitter():
+    c, g = BudgetController(), Gate()
+    start(c, g)
+    for _ in range(100):
+        assert c.update(g.window(idle=IDLE_FLOOR * 0.9, retained=0.9)) == 1.0
+
+
+def test_over_committing_that_thrashes_backs_off_to_the_ledger():
+    # the engines idled at scale 1, so the scale grew; at the larger scale the cache kept so
+    # little that the history served fell below what scale 1 served: back off
+    c, g = BudgetController(), Gate()
+    start(c, g)
+    assert c.update(g.window(idle=0.5, retained=0.95)) == pytest.approx(1.5)
+    s = c.update(g.window(idle=0.0, retained=0.5))  # 1.5 x 0.5 = 0.75 < 0.95
+    assert s == pytest.approx(max(1.0, 1.5 * BACKOFF)) and c.last.why == "backoff"
+
+
+def test_over_committing_that_keeps_more_history_is_kept():
+    c, g = BudgetController(), Gate()
+    start(c, g)
+    c.update(g.window(idle=0.5, retained=0.95))
+    assert c.update(g.window(idle=0.0, retained=0.8)) == pytest.approx(1.5)  # 1.2 > 0.95: no back-off
+
+
+def test_it_settles_where_the_engines_stop_idling():
+    """A plant: the engines idle while the scale is below 2.0 (the share shrinks as the scale
+    approaches it) and thrash above 2.6 (retention falls steeply). The scale climbs, then stays
+    between the two, and never leaves the band once inside."""
+    def plant(scale):
+        idle = max(0.0, 0.5 * (2.0 - scale))
+        retained = 0.95 if scale <= 2.6 else 0.95 * (2.6 / scale) ** 6
+        return idle, retained
+    c, g = BudgetController(), Gate()
+    start(c, g)
+    trace = []
+    for _ in range(60):
+        idle, retained = plant(c.scale)
+        trace.append(c.update(g.window(idle=idle, retained=retained)))
+    assert 1.9 <= trace[-1] <= 2.6
+    settled = trace[20:]
+    assert max(settled) - min(settled) < 0.2, settled
+
+
+def test_it_holds_under_noise():
+    """Noisy readings around a settled point (idle under the floor, retention 0.85 +- 0.05):
+    the scale does not wander off."""
+    rng = random.Random(7)
+    c, g = BudgetController(1.8), Gate()
+    start(c, g)
+    for _ in range(200):
+        c.update(g.window(idle=rng.uniform(0.0, IDLE_FLOOR * 0.9), retained=0.85 + rng.uniform(-0.05, 0.05)))
+    assert c.scale == pytest.approx(1.8)
+
+
+def test_it_follows_a_change_of_load():
+    """The engines get faster mid-run (they idle again at the settled scale): it grows; then
+    slower (the larger scale thrashes): it backs off."""
+    c, g = BudgetController(), Gate()
+    start(c, g)
+    for _ in range(10):
+        c.update(g.window(idle=0.0, retained=0.9))
+    assert c.scale == 1.0
+    for _ in range(5):
+        c.update(g.window(idle=0.3, retained=0.9))
+    grown = c.scale
+    assert grown > 3.0
+    for _ in range(10):  # now the same scale thrashes: the history served falls below the ledger's
+        c.update(g.window(idle=0.0, retained=0.9 / c.scale ** 2))
+    assert c.scale == 1.0
+
+
+@pytest.mark.parametrize("what", ["no readings", "a counter went back"])
+def test_missing_or_broken_readings_change_nothing(what):
+    c, g = BudgetController(), Gate()
+    start(c, g)
+    c.update(g.window(idle=0.5, retained=1.0))
+    before = c.scale
+    if what == "no readings":
+        for _ in range(10):
+            assert c.update(None) == before
+    else:
+        g.released = 0  # Redis restarted: its counters start over
+        assert c.update(g.window(idle=0.5, retained=1.0)) == before
+        assert c.update(g.window(idle=0.5, retained=1.0)) > before  # a new window from there
+
+
+def test_engines_without_cache_counters_fall_back_to_the_ledger():
+    c, g = BudgetController(2.0), Gate(counters=False)
+    start(c, g)
+    assert c.update(g.window(idle=0.5, retained=1.0)) == 1.0
+    assert c.last.why == "no cache counters"
+
+
+def test_reset_starts_from_the_ledger():
+    c, g = BudgetController(), Gate()
+    start(c, g)
+    c.update(g.window(idle=0.5, retained=1.0))
+    c.reset()
+    assert c.scale == 1.0 and c.last is None
+
+
+def test_a_start_scale_that_is_not_finite_is_the_ledger():
+    assert BudgetController(float("nan")).scale == 1.0
+    assert BudgetController(0.2).scale == 1.0
