@@ -190,3 +190,15 @@ def test_reset_starts_from_the_ledger():
 def test_a_start_scale_that_is_not_finite_is_the_ledger():
     assert BudgetController(float("nan")).scale == 1.0
     assert BudgetController(0.2).scale == 1.0
+
+
+def test_after_a_back_off_it_grows_only_part_way_back():
+    # it thrashed at 2.0: back to 1.4, and idle engines later grow it to sqrt(0.7) x 2.0 at most
+    c, g = BudgetController(2.0), Gate()
+    start(c, g)
+    c.update(g.window(idle=0.0, retained=0.3))
+    assert c.scale == pytest.approx(2.0 * BACKOFF) and c.last.why == "backoff"
+    for _ in range(10):
+        c.update(g.window(idle=0.5, retained=0.9))
+    assert c.scale == pytest.approx(2.0 * BACKOFF ** 0.5)
+    assert c.last.why == "hold"

@@ -18,7 +18,9 @@ controller moves the scale between 1 and as far up as the engines keep paying fo
   prefix-cache counters against what the gate admitted) times the scale is the history the
   engines serve per unit of the seeds' ledger. When it falls below what scale 1 served (its
   retained share, remembered from the windows run at scale 1), thrashing costs more than the
-  extra sessions bring: the scale backs off multiplicatively, towards 1.
+  extra sessions bring: the scale backs off multiplicatively, towards 1, and from then on grows
+  no further than part-way back to where it thrashed (BBR v2's ``inflight_hi``: a bound learned
+  from loss, here from lost history).
 
 A window closes once the sessions the gate held at its start have turned over once (as many
 releases as held sessions, at least ``MIN_RELEASES``): the controller's time constant is the
@@ -81,6 +83,8 @@ class BudgetController:
         self._start: Reading | None = None
         # the retained share at scale 1 (None: not measured yet, counted as 1: keep everything)
         self.ledger_retained: float | None = None
+        # the most the scale may grow to: part-way back to the last scale that thrashed
+        self.limit = math.inf
         self.last: Window | None = None
 
     def reset(self) -> None:
@@ -112,12 +116,13 @@ class BudgetController:
         if retained is not None and before <= 1.0:
             old = self.ledger_retained
             self.ledger_retained = retained if old is None else old + EWMA * (retained - old)
-        if idle is not None and idle >= IDLE_FLOOR:
-            return Window(idle, retained, before, before * (1.0 + idle), "grow")
         ledger = self.ledger_retained if self.ledger_retained is not None else 1.0
         # history served per unit of the seeds' ledger, against what the ledger served
         if retained is not None and before > 1.0 and before * retained < (1.0 - NOISE) * ledger:
+            self.limit = max(1.0, before * math.sqrt(BACKOFF))
             return Window(idle, retained, before, max(1.0, before * BACKOFF), "backoff")
+        if idle is not None and idle >= IDLE_FLOOR and before < self.limit:
+            return Window(idle, retained, before, min(self.limit, before * (1.0 + idle)), "grow")
         return Window(idle, retained, before, before, "hold")
 
 
