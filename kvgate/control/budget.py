@@ -116,13 +116,16 @@ class BudgetController:
         if retained is not None and before <= 1.0:
             old = self.ledger_retained
             self.ledger_retained = retained if old is None else old + EWMA * (retained - old)
+        if idle is not None and idle >= IDLE_FLOOR:
+            # work lost for certain comes first: a re-prefill is at worst paid from idle time
+            if before < self.limit:
+                return Window(idle, retained, before, min(self.limit, before * (1.0 + idle)), "grow")
+            return Window(idle, retained, before, before, "hold")
         ledger = self.ledger_retained if self.ledger_retained is not None else 1.0
         # history served per unit of the seeds' ledger, against what the ledger served
         if retained is not None and before > 1.0 and before * retained < (1.0 - NOISE) * ledger:
             self.limit = max(1.0, before * math.sqrt(BACKOFF))
             return Window(idle, retained, before, max(1.0, before * BACKOFF), "backoff")
-        if idle is not None and idle >= IDLE_FLOOR and before < self.limit:
-            return Window(idle, retained, before, min(self.limit, before * (1.0 + idle)), "grow")
         return Window(idle, retained, before, before, "hold")
 
 
