@@ -115,7 +115,8 @@ def _run_plan(plan: Plan, args: argparse.Namespace, redis_url: str | None, conso
                   highlight=False)
     console.print(f"tool latency p50 {wl['tool_latency_p50_s']}s p90 {wl['tool_latency_p90_s']}s (unscaled), "
                   f"time scale {plan.time_scale}; policies: {escape(', '.join(p.name for p in plan.policies))}"
-                  + (" (the cap sweep widens while its best cap is at its edge)" if plan.sweep.widen else ""),
+                  + (" (the cap sweep widens while its best cap is at its edge)" if plan.sweep.widen and plan.sweep.caps
+                     else ""),
                   highlight=False)
     t0 = time.monotonic()
     rounds = asyncio.run(run_rounds(plan, args, redis_url, console))
