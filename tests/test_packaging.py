@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import venv
 from pathlib import Path
 
@@ -20,7 +19,6 @@ LAB = ("rich", "matplotlib", "fakeredis", "starlette", "uvicorn")
 pytestmark = [pytest.mark.slow, pytest.mark.redis_real, pytest.mark.timeout(900)]
 
 TURN = """
-import sys
 import kvgate
 from kvgate.client.snapshot import EngineState
 

@@ -10,7 +10,6 @@ interleaved with rounds that are over), and its result joins that round.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from typing import Any
 
 from .policies import Policy
@@ -18,17 +17,7 @@ from .preflight import Plan
 from .runner import PolicyResult, run_policy
 from .sweep import cap_walls
 
-__all__ = ["ScenarioRun", "run_rounds", "insert_cap"]
-
-
-@dataclass
-class ScenarioRun:
-    """What a plan's run produced: a list of PolicyResults per round, in the plan's policy
-    order (added caps beside the sweep's others), and how long it took."""
-
-    plan: Plan
-    rounds: list[list[PolicyResult]]
-    elapsed_s: float = 0.0
+__all__ = ["run_rounds", "insert_cap"]
 
 
 def insert_cap(policies: list[Policy], new: Policy) -> list[Policy]:
