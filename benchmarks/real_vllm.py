@@ -1,8 +1,11 @@
 """Run ``kvgate bench`` against a real CPU vLLM server (dummy weights, 80-block prefix cache).
 
 Starts one OpenAI server with the kvgate plugin (``/kvgate/probe``, ``/kvgate/usage``) from the
-vLLM venv, runs the bench against it (every policy, the same seeded workload, prefix cache reset
-between policies through ``POST /reset_prefix_cache``), and stops the server by its process group.
+vLLM venv, runs the bench against it (no gate, the fixed-cap sweep, widened while its best cap is
+at its edge, and kvgate with default knobs: the same seeded workload, the prefix cache reset
+between policies through ``POST /reset_prefix_cache``), prints the same check as every scenario
+(kvgate at most 1.05x the better of no gate and the best per-session cap), and stops the server
+by its process group.
 
     python3 benchmarks/real_vllm.py --model heavy --out bench-out/real-vllm/heavy [-- extra bench args]
 """
@@ -14,6 +17,7 @@ import os
 import sys
 import time
 
+from kvgate.tools.bench.flags import MATRIX_POLICIES
 from kvgate.tools.bench.host import MATRIX_ISA_LEVELS
 from kvgate.tools.bench.host import describe as describe_host
 from kvgate.tools.vllm_testing import DEFAULT_VLLM_PYTHON, start_server, write_model
@@ -79,8 +83,11 @@ def main() -> int:
     from kvgate.tools.bench import cli as bench_cli
 
     rest = [x for x in a.rest if x != "--"]
+    # the caps come from the server's pool (/kvgate/usage) and widen; a --policies in `rest`
+    # comes later and wins
     argv = ["--engine", "http://127.0.0.1:1", "--engine-kind", "vllm", "--scenario", f"cpu-{a.model}",
-            "--vocab", "1000", "--caps", "2,3,4", "--out", a.out or f"bench-out/real-vllm/{a.model}", *rest]
+            "--vocab", "1000", "--policies", MATRIX_POLICIES, "--out", a.out or f"bench-out/real-vllm/{a.model}",
+            *rest]
     err = bench_cli.check_args(argv)  # before the ~25 s server start: a typo fails now
     if err:
         print(f"kvgate bench: error: {err}", file=sys.stderr)

