@@ -428,6 +428,17 @@ def test_async_gate_is_refused_with_a_clear_message(redis_url):
         Poller(agate, engines=["http://127.0.0.1:1"])
 
 
+def test_anything_but_a_gate_is_refused_with_a_clear_message(redis_url):
+    import redis as redis_lib
+
+    client = redis_lib.Redis.from_url(redis_url)
+    try:
+        with pytest.raises(ValueError, match="synchronous kvgate.Gate .*got Redis"):
+            Poller(client, engines=["http://127.0.0.1:1"])
+    finally:
+        client.close()
+
+
 def test_an_async_tick_does_not_stop_the_event_loop_on_a_slow_redis_call(redis_url, servers):
     """``atick``/``arun`` run embedded in an application's loop (the bench does): the tick's
     synchronous Redis calls go to a worker thread, so the loop keeps serving other coroutines

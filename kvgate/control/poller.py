@@ -51,6 +51,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvgate import keys
 from kvgate._http import async_client
+from kvgate.client.gate import Gate
 from kvgate.control.discovery import (
     DEFAULT_MAX_BODY_BYTES,
     Discovery,
@@ -208,25 +209,6 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.0f}%"
 
 
-def _redis_of(gate: Any) -> redis.Redis:
-    if type(gate).__name__.startswith("Async"):
-        raise ValueError("Poller needs a synchronous kvgate.Gate (it runs its own event loop), "
-                         f"got {type(gate).__name__}")
-    for attr in ("redis", "client", "_redis", "_client", "r"):
-        c = getattr(gate, attr, None)
-        if isinstance(c, (redis.Redis, redis.RedisCluster)):
-            return c
-    raise ValueError("cannot find the gate's redis client; pass redis=... to Poller")
-
-
-def _gate_name(gate: Any) -> str:
-    for attr in ("name", "gate", "gate_name"):
-        v = getattr(gate, attr, None)
-        if isinstance(v, str) and v:
-            return v
-    raise ValueError("cannot find the gate's name; pass name=... to Poller")
-
-
 class _CallThreads:
     """A few daemon threads of one poller for its blocking Redis calls (synchronous redis-py).
 
@@ -291,7 +273,7 @@ class Poller:
 
     def __init__(
         self,
-        gate: Any,
+        gate: Gate,
         *,
         router: str | None = None,
         engines: Sequence[str] | None = None,
@@ -306,6 +288,11 @@ class Poller:
         name: str | None = None,
         identity: str | None = None,
     ) -> None:
+        if not isinstance(gate, Gate):
+            # an AsyncGate's calls are coroutines for its own loop; the poller calls the gate
+            # from its own threads and runs its own event loop
+            raise ValueError("Poller needs a synchronous kvgate.Gate (it runs its own event loop), "
+                             f"got {type(gate).__name__}")
         for nm, v in (("interval_s", interval_s), ("http_timeout_s", http_timeout_s),
                       ("leader_ttl_s", leader_ttl_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < float("inf")):
@@ -313,19 +300,16 @@ class Poller:
         if leader_ttl_s <= interval_s:
             raise ValueError(f"leader_ttl_s ({leader_ttl_s}) must exceed interval_s ({interval_s}), "
                              "or the lease lapses between ticks")
-        stale = getattr(getattr(gate, "config", None), "staleness_s", None)
-        if not isinstance(stale, (int, float)) or isinstance(stale, bool):
-            stale = None
+        stale = gate.config.staleness_s
         self._staleness_s = stale
-        if stale is not None:
-            if interval_s >= stale:
-                raise ValueError(f"interval_s ({interval_s}) must be below the gate's staleness_s ({stale}): "
-                                 "clients would read every snapshot as stale before the next one and "
-                                 "bypass as degraded")
-            if interval_s + http_timeout_s >= stale:
-                log.warning("interval_s (%s) + http_timeout_s (%s) >= staleness_s (%s): one slow scrape "
-                            "leaves clients without a fresh snapshot (degraded)", interval_s,
-                            http_timeout_s, stale)
+        if interval_s >= stale:
+            raise ValueError(f"interval_s ({interval_s}) must be below the gate's staleness_s ({stale}): "
+                             "clients would read every snapshot as stale before the next one and "
+                             "bypass as degraded")
+        if interval_s + http_timeout_s >= stale:
+            log.warning("interval_s (%s) + http_timeout_s (%s) >= staleness_s (%s): one slow scrape "
+                        "leaves clients without a fresh snapshot (degraded)", interval_s,
+                        http_timeout_s, stale)
         for nm, v in (("concurrency", concurrency), ("housekeep_limit", housekeep_limit),
                       ("max_body_bytes", max_body_bytes), ("unhealthy_after", unhealthy_after)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -340,8 +324,8 @@ class Poller:
         self.concurrency = concurrency
         self.housekeep_limit = housekeep_limit
         self.unhealthy_after = unhealthy_after
-        self.name = name or _gate_name(gate)
-        self.redis = redis_client if redis_client is not None else _redis_of(gate)
+        self.name = name or gate.name
+        self.redis = redis_client if redis_client is not None else gate.redis
         self.identity = identity or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.lock = self.redis.lock(leader_key(self.name), timeout=self.leader_ttl_s,
                                     blocking=False, thread_local=False)
@@ -370,12 +354,10 @@ class Poller:
         self.scrapes_bridged = 0
         # the self-sizing budget (docs/budget.md): measured here, published with each snapshot,
         # unless the gate's config fixes the scale or has no ledger (admission off)
-        cfg = getattr(gate, "config", None)
-        self.measures_budget = bool(getattr(cfg, "admission", False)) and getattr(cfg, "budget_scale", 0) is None
+        self.measures_budget = bool(gate.config.admission) and gate.config.budget_scale is None
         self.budget: BudgetController | None = None  # made at the start of each term
         self._budget_epoch: int | None = None
-        self.knobs = {k: getattr(getattr(gate, "config", None), k) for k in WRITE_KNOBS
-                      if hasattr(getattr(gate, "config", None), k)}
+        self.knobs = {k: getattr(gate.config, k) for k in WRITE_KNOBS}
         log.info("poller %s for gate %s writes snapshots with the gate knobs %s (clients must use the "
                  "same: docs/poller.md#gate-knobs)", self.identity, self.name,
                  " ".join(f"{k}={v}" for k, v in self.knobs.items()))
@@ -602,7 +584,7 @@ class Poller:
             if own:
                 await client.aclose()
         res.seconds = time.monotonic() - t0
-        if self._staleness_s is not None and res.seconds > self._staleness_s:
+        if res.seconds > self._staleness_s:
             log.warning("the tick took %.1fs, longer than staleness_s (%s): clients read the snapshot as "
                         "stale meanwhile; scraping takes up to ceil(engines / --concurrency) x "
                         "--http-timeout: raise --concurrency or lower --http-timeout", res.seconds,
