@@ -26,17 +26,15 @@ Each tick:
 6. ``gate.housekeep(limit=...)`` (reclaim expired leases and windows, drop dead waiters, wake).
 
 Only the leader writes and housekeeps.  Every Redis call of the poller runs on a few threads
-of its own (not the event loop's default executor, which also resolves engine host names) and
-is bounded by ``leader_ttl_s / 3``; one that does not answer in time counts as failed.
+of its own, bounded by ``leader_ttl_s / 3`` (kvgate/control/call_threads.py); one that does
+not answer in time counts as failed.
 See docs/poller.md.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -47,11 +45,11 @@ from typing import Any, Sequence
 import httpx
 import redis
 from redis.exceptions import LockError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvgate import keys
 from kvgate._http import async_client
 from kvgate.client.gate import Gate
+from kvgate.control.call_threads import CallThreads
 from kvgate.control.discovery import (
     DEFAULT_MAX_BODY_BYTES,
     Discovery,
@@ -209,65 +207,6 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.0f}%"
 
 
-class _CallThreads:
-    """A few daemon threads of one poller for its blocking Redis calls (synchronous redis-py).
-
-    Not the event loop's default executor: ``asyncio.to_thread`` and the loop's getaddrinfo
-    (httpx / anyio resolve engine host names there) share it, so slow DNS for a down engine
-    could queue the lease behind it past the TTL.  A call that never returns (a client without
-    a socket timeout on a Redis that stopped answering) keeps its thread; the caller stops
-    waiting at its bound, the next call gets another thread (up to ``max_threads``), and when
-    ``backlog`` calls are already waiting a new one fails at once.  Daemon threads, so a stuck
-    call never holds up the process's exit; idle ones end after ``idle_s``."""
-
-    def __init__(self, max_threads: int = 4, backlog: int = 8, idle_s: float = 30.0) -> None:
-        self.max_threads, self.backlog, self.idle_s = max_threads, backlog, idle_s
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads = 0
-        self._idle = 0
-        self._queued = 0
-
-    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if self._queued >= self.backlog:
-                raise RedisTimeoutError(f"{self._queued} Redis calls of the poller are still waiting "
-                                        "for a thread (Redis does not answer)")
-            self._queued += 1
-            self._q.put((fut, fn, args))
-            if self._queued > self._idle and self._threads < self.max_threads:
-                self._threads += 1
-                threading.Thread(target=self._work, name="kvgate-poller-redis", daemon=True).start()
-        return fut
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                self._idle += 1
-            try:
-                item = self._q.get(timeout=self.idle_s)
-            except queue.Empty:
-                with self._lock:
-                    self._idle -= 1
-                    if self._queued == 0:
-                        self._threads -= 1
-                        return
-                continue
-            with self._lock:
-                self._idle -= 1
-                self._queued -= 1
-            fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue  # its caller stopped waiting before it started
-            try:
-                r = fn(*args)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
-            else:
-                fut.set_result(r)
-
-
 class Poller:
     """Discover + scrape + write snapshots for one gate; leader-elected through Redis."""
 
@@ -333,7 +272,7 @@ class Poller:
         # every Redis call of a tick returns within this (a third of the lease): one slower
         # than that counts as failed, as a Redis error does
         self.redis_call_timeout_s = self.leader_ttl_s / 3
-        self._calls = _CallThreads()
+        self.calls = CallThreads(bound_s=self.redis_call_timeout_s)
         self._lease_until = 0.0  # _monotonic() time by which our lease surely ran out
         self._none_healthy = False  # the last snapshot written had no healthy engine
         self.last: TickResult | None = None
@@ -392,7 +331,7 @@ class Poller:
         was = self.is_leader
         t0 = _monotonic()
         try:
-            got = await self._redis_call(self._lease_redis)
+            got = await self.calls.call(self._lease_redis)
         except RedisError as e:
             log.warning("leader lease: redis error: %s", e)
             got = False
@@ -418,7 +357,7 @@ class Poller:
             await asyncio.sleep(period)
             t0 = _monotonic()
             try:
-                await self._redis_call(self._extend_redis)
+                await self.calls.call(self._extend_redis)
             except LockError:
                 self._lease_until = 0.0
                 return
@@ -436,13 +375,9 @@ class Poller:
     def leader_identity(self) -> str | None:
         """Who holds the lease (``host:pid:random``), or None (none, or Redis did not answer
         within ``redis_call_timeout_s``)."""
-        fut = None
         try:
-            fut = self._calls.submit(self.redis.get, leader_key(self.name))
-            v = fut.result(timeout=self.redis_call_timeout_s)
-        except (concurrent.futures.TimeoutError, RedisError):
-            if fut is not None:
-                fut.cancel()
+            v = self.calls.call_blocking(self.redis.get, leader_key(self.name))
+        except RedisError:
             return None
         return v.decode() if isinstance(v, bytes) else v
 
@@ -458,7 +393,7 @@ class Poller:
         self.is_leader = False
         self._lease_until = 0.0
         try:
-            await self._redis_call(self._release_redis)
+            await self.calls.call(self._release_redis)
         except RedisError as e:
             log.warning("leader lease: not released (%s): it expires within %.1fs", e, self.leader_ttl_s)
 
@@ -468,15 +403,10 @@ class Poller:
         left to expire."""
         self.is_leader = False
         self._lease_until = 0.0
-        fut = None
         try:
-            fut = self._calls.submit(self._release_redis)
-            fut.result(timeout=self.redis_call_timeout_s)
-        except (concurrent.futures.TimeoutError, RedisError) as e:
-            if fut is not None:
-                fut.cancel()
-            log.warning("leader lease: not released (%s): it expires within %.1fs",
-                        str(e) or "Redis did not answer in time", self.leader_ttl_s)
+            self.calls.call_blocking(self._release_redis)
+        except RedisError as e:
+            log.warning("leader lease: not released (%s): it expires within %.1fs", e, self.leader_ttl_s)
 
     # -- one tick -------------------------------------------------------------------------
     async def _scrape(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, ep: Endpoint) -> ScrapeResult:
@@ -682,7 +612,7 @@ class Poller:
             return res
         scale = await self._measure_budget(res)
         try:
-            res.snapshot = await self._redis_call(self.gate.write_snapshot, res.states, scale)
+            res.snapshot = await self.calls.call(self.gate.write_snapshot, res.states, scale)
             res.wrote = True
             self.writes += 1
         except Exception as e:  # noqa: BLE001 - Redis down, script errors: never kill the loop
@@ -719,7 +649,7 @@ class Poller:
         if not self.measures_budget:
             return None
         try:
-            raw = await self._redis_call(self._budget_redis)
+            raw = await self.calls.call(self._budget_redis)
         except Exception as e:  # noqa: BLE001 - Redis faults: the snapshot write reports them
             log.debug("budget read failed: %s", e)
             return None
@@ -751,27 +681,12 @@ class Poller:
                      w.why, _pct(w.idle_share), _pct(w.retained))
         return scale
 
-    async def _redis_call(self, fn: Any, *args: Any) -> Any:
-        """Run one of the tick's Redis calls (synchronous redis-py: the lease, the snapshot
-        write, housekeeping) on the poller's own call threads, so a poller embedded in an
-        application's event loop (``arun``, the bench) does not stop that loop for a Redis round
-        trip, and waits for it at most ``redis_call_timeout_s``: a call that does not answer by
-        then raises ``redis.exceptions.TimeoutError`` (a failed Redis call) and is left to its
-        thread. The calls of one tick run one after another (the lease keep-alive beside them)."""
-        fut = self._calls.submit(fn, *args)
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(fut), self.redis_call_timeout_s)
-        except asyncio.TimeoutError:
-            fut.cancel()
-            raise RedisTimeoutError(f"{getattr(fn, '__name__', 'redis call')} did not return within "
-                                    f"{self.redis_call_timeout_s:.2f}s") from None
-
     def _housekeep_redis(self) -> Any:
         return self.gate.housekeep(limit=self.housekeep_limit)
 
     async def _housekeep(self, res: TickResult) -> None:
         try:
-            res.housekeep = await self._redis_call(self._housekeep_redis)
+            res.housekeep = await self.calls.call(self._housekeep_redis)
         except Exception as e:  # noqa: BLE001 - Redis down, script errors: next tick retries
             log.warning("housekeep failed: %s: %s", type(e).__name__, e)
 
