@@ -197,7 +197,7 @@ def _open_gate(args: argparse.Namespace, cfg, parser: argparse.ArgumentParser | 
 
 
 def _leader_of(gate, name: str) -> str | None:
-    from kvgate.control.poller import leader_key
+    from kvgate.control.lease import leader_key
 
     try:
         v = gate.redis.get(leader_key(name))

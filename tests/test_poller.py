@@ -789,12 +789,12 @@ def test_the_poller_s_redis_calls_do_not_queue_behind_the_default_executor(redis
 def test_leader_gauge_drops_when_the_lease_runs_out_between_ticks(redis_url, servers, monkeypatch):
     """kvgate_poller_leader reads Poller.status()["leader"]: a poller that stalled past its
     lease's TTL must not keep saying it leads until its next tick."""
-    import kvgate.control.poller
+    import kvgate.control.lease
 
     e = servers(sglang_metrics(10_000, 100))
     p = Poller(make_gate(redis_url), engines=[e.url], leader_ttl_s=2.0)
     now = [1000.0]
-    monkeypatch.setattr(kvgate.control.poller, "_monotonic", lambda: now[0])
+    monkeypatch.setattr(kvgate.control.lease, "_monotonic", lambda: now[0])
     assert p.tick().wrote and p.status()["leader"]
     now[0] += 1.9
     assert p.status()["leader"]

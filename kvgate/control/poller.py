@@ -7,10 +7,9 @@ One small process per gate (``kvgate poller ...``), or a library object::
 
 Each tick:
 
-1. leadership: take or extend the leader lease (a ``redis.lock.Lock`` on
-   ``kvgate:{gate}:poller_leader`` with ``leader_ttl_s``); a standby stops here.  A poller that
-   just became leader starts from nothing: numbers of an earlier term are not reused.  While
-   the leader's tick runs, a task extends the lease every ``leader_ttl_s / 3``;
+1. leadership: take or extend the leader lease (kvgate/control/lease.py); a standby stops
+   here.  A poller that just became leader starts from nothing: numbers of an earlier term
+   are not reused.  While the leader's tick runs, the lease is kept alive beside it;
 2. discover engines (router ``/workers`` -> ``/list_workers``, or the static list);
 3. scrape every engine's ``/metrics`` concurrently (bounded concurrency, an overall deadline and
    a body-size cap per request);
@@ -44,12 +43,13 @@ from typing import Any, Sequence
 
 import httpx
 import redis
-from redis.exceptions import LockError, RedisError
 
 from kvgate import keys
 from kvgate._http import async_client
 from kvgate.client.gate import Gate
 from kvgate.control.call_threads import CallThreads
+# leader_key is imported from here by users and tests: re-exported from its home
+from kvgate.control.lease import LeaderLease, leader_key
 from kvgate.control.discovery import (
     DEFAULT_MAX_BODY_BYTES,
     Discovery,
@@ -77,13 +77,6 @@ PREFILL_LOAD_WINDOW_S = 2.0
 WRITE_KNOBS = ("admission", "residency", "headroom", "pressure_threshold", "high_watermark",
                "budget_scale", "staleness_s", "lease_ttl_s", "idle_grace_s",
                "wait_poll_s", "max_wait_s", "max_wait_hard_s", "reap_batch")
-
-_monotonic = time.monotonic  # the poller's own clock for its lease (tests replace it)
-
-
-def leader_key(gate_name: str) -> str:
-    return keys.key(gate_name, "poller_leader")
-
 
 @dataclass
 class ScrapeResult:
@@ -266,19 +259,16 @@ class Poller:
         self.name = name or gate.name
         self.redis = redis_client if redis_client is not None else gate.redis
         self.identity = identity or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.lock = self.redis.lock(leader_key(self.name), timeout=self.leader_ttl_s,
-                                    blocking=False, thread_local=False)
-        self.is_leader = False
-        # every Redis call of a tick returns within this (a third of the lease): one slower
+        # every Redis call of the poller returns within this (a third of the lease): one slower
         # than that counts as failed, as a Redis error does
         self.redis_call_timeout_s = self.leader_ttl_s / 3
         self.calls = CallThreads(bound_s=self.redis_call_timeout_s)
-        self._lease_until = 0.0  # _monotonic() time by which our lease surely ran out
+        self.lease = LeaderLease(self.redis, self.name, identity=self.identity, ttl_s=self.leader_ttl_s,
+                                 calls=self.calls)
         self._none_healthy = False  # the last snapshot written had no healthy engine
         self.last: TickResult | None = None
         self.ticks = 0
         self.writes = 0
-        self.leader_changes = 0
         self.scrape_errors = 0
         self._stop = threading.Event()
         self._known_ids: dict[str, list[str]] = {}
@@ -311,102 +301,31 @@ class Poller:
             d.clear()
         self.budget = None  # the next budget reading starts from the scale the gate publishes now
 
-    # -- leadership -----------------------------------------------------------------------
-    def _lease_redis(self) -> bool:
-        """The Redis side of :meth:`_hold_lease` (runs on a call thread; touches no poller
-        state): extend the lease if we hold it, else try to take it."""
-        if getattr(self.lock.local, "token", None) is not None:
-            # We held it at some point: extending checks the token atomically, so this also
-            # keeps a lease we still own after a Redis blip made us think we lost it.
-            try:
-                self.lock.extend(self.leader_ttl_s, replace_ttl=True)
-                return True
-            except LockError:
-                pass  # expired (we stalled) or taken over
-        return bool(self.lock.acquire(blocking=False, token=self.identity))
-
-    async def _hold_lease(self) -> bool:
-        """Extend or take the lease.  Redis faults, and calls slower than
-        ``redis_call_timeout_s``, -> not leader."""
-        was = self.is_leader
-        t0 = _monotonic()
-        try:
-            got = await self.calls.call(self._lease_redis)
-        except RedisError as e:
-            log.warning("leader lease: redis error: %s", e)
-            got = False
-        if got:
-            self._lease_until = t0 + self.leader_ttl_s
-        self.is_leader = got
-        if got != was:
-            self.leader_changes += 1
-            log.info("poller %s is now %s", self.identity, "LEADER" if got else "standby")
-        return got
-
-    def _extend_redis(self) -> None:
-        self.lock.extend(self.leader_ttl_s, replace_ttl=True)  # LockError: not ours any more
-
-    async def _keep_lease(self) -> None:
-        """Extend the lease every ``leader_ttl_s / 3`` while the leader's tick runs: scraping
-        alone can take ``ceil(engines / concurrency)`` request deadlines, longer than the TTL,
-        and a lease that lapsed mid-tick lets a standby take it, whose own long tick then loses
-        it the same way (no poller would ever write).  Only extends, never takes: a lease that
-        is no longer ours stays lost, and the fence before the write refuses to write."""
-        period = self.leader_ttl_s / 3
-        while True:
-            await asyncio.sleep(period)
-            t0 = _monotonic()
-            try:
-                await self.calls.call(self._extend_redis)
-            except LockError:
-                self._lease_until = 0.0
-                return
-            except RedisError as e:
-                log.debug("leader lease: keep-alive failed: %s", e)
-                continue
-            self._lease_until = t0 + self.leader_ttl_s
+    # -- what the lease knows -----------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        return self.lease.is_leader
 
     @property
     def holds_lease(self) -> bool:
         """Leader at the last check, and the lease's TTL has not run out since on this
         poller's own clock (a poller that stalled past it may have lost the lease)."""
-        return self.is_leader and _monotonic() < self._lease_until
+        return self.lease.held
+
+    @property
+    def leader_changes(self) -> int:
+        return self.lease.changes
 
     def leader_identity(self) -> str | None:
         """Who holds the lease (``host:pid:random``), or None (none, or Redis did not answer
         within ``redis_call_timeout_s``)."""
-        try:
-            v = self.calls.call_blocking(self.redis.get, leader_key(self.name))
-        except RedisError:
-            return None
-        return v.decode() if isinstance(v, bytes) else v
-
-    def _release_redis(self) -> None:
-        if getattr(self.lock.local, "token", None) is not None:
-            try:
-                self.lock.release()  # a no-op error if the lease is no longer ours
-            except (LockError, RedisError):
-                pass
-
-    async def _arelease(self) -> None:
-        """:meth:`release` for the event loop (``arun``'s way out)."""
-        self.is_leader = False
-        self._lease_until = 0.0
-        try:
-            await self.calls.call(self._release_redis)
-        except RedisError as e:
-            log.warning("leader lease: not released (%s): it expires within %.1fs", e, self.leader_ttl_s)
+        return self.lease.holder()
 
     def release(self) -> None:
         """Give up the lease at once (graceful shutdown: a standby takes over next tick).
         Bounded by ``redis_call_timeout_s``; on a Redis that does not answer, the lease is
         left to expire."""
-        self.is_leader = False
-        self._lease_until = 0.0
-        try:
-            self.calls.call_blocking(self._release_redis)
-        except RedisError as e:
-            log.warning("leader lease: not released (%s): it expires within %.1fs", e, self.leader_ttl_s)
+        self.lease.release()
 
     # -- one tick -------------------------------------------------------------------------
     async def _scrape(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, ep: Endpoint) -> ScrapeResult:
@@ -496,8 +415,8 @@ class Poller:
     async def atick(self, client: httpx.AsyncClient | None = None) -> TickResult:
         t0 = time.monotonic()
         self.ticks += 1
-        was = self.is_leader
-        if not await self._hold_lease():
+        was = self.lease.is_leader
+        if not await self.lease.hold():
             res = TickResult(leader=False, reason="standby", seconds=time.monotonic() - t0)
             self.last = res
             return res
@@ -506,7 +425,7 @@ class Poller:
         own = client is None
         if own:
             client = async_client(trust_env=False)
-        keeper = asyncio.create_task(self._keep_lease())
+        keeper = asyncio.create_task(self.lease.keep_alive())
         try:
             res = await self._lead_tick(client)
         finally:
@@ -532,7 +451,7 @@ class Poller:
             res.reason = "router_unreachable"
             log.warning("%s", e)
             return False
-        if fenced and not await self._hold_lease():  # discovery may have taken two request deadlines
+        if fenced and not await self.lease.hold():  # discovery may have taken two request deadlines
             res.leader = False
             res.reason = "lost_lease"
             return False
@@ -606,7 +525,7 @@ class Poller:
                 await self._housekeep(res)
             return res
         # Fence: scraping took time; write only if the lease is still ours.
-        if not await self._hold_lease():
+        if not await self.lease.hold():
             res.leader = False
             res.reason = "lost_lease"
             return res
@@ -715,7 +634,7 @@ class Poller:
                         delay = 0
                     await self._sleep(delay)
             finally:
-                await self._arelease()
+                await self.lease.arelease()
 
     async def _sleep(self, delay: float) -> None:
         """Sleep up to ``delay`` seconds, waking early when :meth:`stop` is called."""
