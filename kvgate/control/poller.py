@@ -11,12 +11,10 @@ Each tick:
    here.  A poller that just became leader starts from nothing: numbers of an earlier term
    are not reused.  While the leader's tick runs, the lease is kept alive beside it;
 2. discover engines (router ``/workers`` -> ``/list_workers``, or the static list);
-3. scrape every engine's ``/metrics`` concurrently (bounded concurrency, an overall deadline and
-   a body-size cap per request);
-4. build one ``EngineState`` per engine (per data-parallel rank); an engine the router marks
-   unhealthy is ``healthy=False``, and so is one whose scrape failed (no answer, garbage)
-   ``unhealthy_after`` times in a row (default 2: until then its last usable scrape stands
-   in, so one timeout does not bump the epoch and end every ownership window);
+3. scrape every engine's ``/metrics`` concurrently (kvgate/control/scrape.py);
+4. build one ``EngineState`` per engine (per data-parallel rank) from the scrapes, with the
+   rates measured across ticks and a failed scrape bridged by the engine's last usable one
+   (kvgate/control/estimates.py);
 5. if the lease is still ours, ``gate.write_snapshot`` (one atomic script; the core bumps the
    epoch when the healthy set changes).  With no healthy engine (or none listed) the snapshot
    written has none: the healthy set changed, so the epoch bumps, and clients read it as not
@@ -48,28 +46,18 @@ from kvgate import keys
 from kvgate._http import async_client
 from kvgate.client.gate import Gate
 from kvgate.control.call_threads import CallThreads
-# leader_key is imported from here by users and tests: re-exported from its home
+# PREFILL_LOAD_WINDOW_S, engine_states, leader_key and ScrapeResult are imported from here by
+# users, tests and kvgate/tools/bench/runner.py: this module re-exports them from their homes
+from kvgate.control.estimates import PREFILL_LOAD_WINDOW_S, EngineEstimates, engine_states  # noqa: F401
 from kvgate.control.lease import LeaderLease, leader_key
-from kvgate.control.discovery import (
-    DEFAULT_MAX_BODY_BYTES,
-    Discovery,
-    DiscoveryError,
-    Endpoint,
-    HttpError,
-    fetch_limited,
-)
+from kvgate.control.scrape import ScrapeResult, scrape_engines
+from kvgate.control.discovery import DEFAULT_MAX_BODY_BYTES, Discovery, DiscoveryError
 from kvgate.control.budget import BudgetController, Reading
-from kvgate.control.promparse import EngineMetrics, MetricsParseError, parse_metrics
 
 log = logging.getLogger("kvgate.control.poller")
 
 __all__ = ["Poller", "TickResult", "ScrapeResult", "engine_states", "leader_key"]
 
-
-# an interval with fewer newly computed prompt tokens than this does not update the estimate
-PREFILL_MIN_TOKENS = 256
-# the prefill load is measured over windows of at least this many seconds
-PREFILL_LOAD_WINDOW_S = 2.0
 
 # the gate knobs the scripts apply on every snapshot write and housekeeping call (FIFO
 # advance, trim, staleness, lease and window times): logged at start and in status(), since a
@@ -77,14 +65,6 @@ PREFILL_LOAD_WINDOW_S = 2.0
 WRITE_KNOBS = ("admission", "residency", "headroom", "pressure_threshold", "high_watermark",
                "budget_scale", "staleness_s", "lease_ttl_s", "idle_grace_s",
                "wait_poll_s", "max_wait_s", "max_wait_hard_s", "reap_batch")
-
-@dataclass
-class ScrapeResult:
-    endpoint: Endpoint
-    metrics: EngineMetrics | None = None
-    error: str | None = None
-    seconds: float = 0.0
-
 
 @dataclass
 class TickResult:
@@ -103,79 +83,6 @@ class TickResult:
     @property
     def errors(self) -> dict[str, str]:
         return {s.endpoint.url: s.error for s in self.scrapes if s.error}
-
-
-def _engine_state_cls():
-    from kvgate.client.snapshot import EngineState
-
-    return EngineState
-
-
-def engine_states(scrapes: Sequence[ScrapeResult], *, hit_rates: dict[str, float] | None = None,
-                  known_ids: dict[str, list[str]] | None = None,
-                  prefill_costs: dict[str, float] | None = None,
-                  prefill_loads: dict[str, float] | None = None) -> list:
-    """``EngineState`` list from scrape results.
-
-    One state per data-parallel rank; a single-rank engine's id is its base URL, a DP rank's id
-    is ``<url>#dp<rank>``.  A failed or unhealthy endpoint yields ``healthy=False`` states for
-    the ids it had last time (so the healthy set visibly changes), or for its URL.
-    """
-    EngineState = _engine_state_cls()
-    hit_rates = hit_rates or {}
-    prefill_costs = prefill_costs or {}
-    prefill_loads = prefill_loads or {}
-    known_ids = known_ids if known_ids is not None else {}
-    out = []
-    seen: set[str] = set()
-    for s in scrapes:
-        url = s.endpoint.url
-        if s.metrics is None:
-            for eid in known_ids.get(url) or [url]:
-                if eid not in seen:
-                    seen.add(eid)
-                    out.append(EngineState(engine_id=eid, capacity_tokens=0, healthy=False, url=url,
-                                           kind=_kind_guess(s)))
-            continue
-        ranks = s.metrics.ranks
-        ids = []
-        for r in ranks:
-            eid = _rank_id(url, ranks, r)
-            if eid in seen:
-                continue
-            seen.add(eid)
-            ids.append(eid)
-            try:
-                st = EngineState(engine_id=eid, capacity_tokens=int(r.capacity_tokens),
-                                 used_tokens=r.used_tokens, usage=r.usage, healthy=True,
-                                 hit_rate=hit_rates.get(eid, r.hit_rate), url=url, kind=r.kind,
-                                 prefill_s_per_token=prefill_costs.get(eid),
-                                 prefill_load=prefill_loads.get(eid))
-            except ValueError as e:  # values the core rejects: this engine only is unhealthy
-                log.info("engine %s: unusable metrics: %s", eid, e)
-                st = EngineState(engine_id=eid, capacity_tokens=0, healthy=False, url=url, kind=r.kind)
-            out.append(st)
-        known_ids[url] = ids
-    return out
-
-
-def _rank_id(url: str, ranks: Sequence, r: Any) -> str:
-    """A single-rank engine is its URL; a data-parallel rank is ``<url>#dp<rank>``."""
-    return url if len(ranks) == 1 else f"{url}#dp{r.dp_rank}"
-
-
-def _scraped_ranks(scrapes: Sequence[ScrapeResult]):
-    """(engine id, RankMetrics) of every rank that was scraped (ids as in ``engine_states``)."""
-    for s in scrapes:
-        if s.metrics is None:
-            continue
-        ranks = s.metrics.ranks
-        for r in ranks:
-            yield _rank_id(s.endpoint.url, ranks, r), r
-
-
-def _kind_guess(s: ScrapeResult) -> str:
-    return "vllm" if (s.endpoint.worker_type or "").startswith("vllm") else "sglang"
 
 
 def _cache_counters(res: "TickResult") -> tuple:
@@ -265,22 +172,13 @@ class Poller:
         self.calls = CallThreads(bound_s=self.redis_call_timeout_s)
         self.lease = LeaderLease(self.redis, self.name, identity=self.identity, ttl_s=self.leader_ttl_s,
                                  calls=self.calls)
+        self.estimates = EngineEstimates(unhealthy_after)
         self._none_healthy = False  # the last snapshot written had no healthy engine
         self.last: TickResult | None = None
         self.ticks = 0
         self.writes = 0
         self.scrape_errors = 0
         self._stop = threading.Event()
-        self._known_ids: dict[str, list[str]] = {}
-        self._counters: dict[str, tuple[float, float]] = {}  # engine id -> (hits, queries)
-        self._hit_rates: dict[str, float] = {}
-        self._prefill_sums: dict[str, tuple[float, float]] = {}  # engine id -> (seconds, tokens)
-        self._load_base: dict[str, tuple[float, float]] = {}  # engine id -> (seconds, at)
-        self._prefill_loads: dict[str, float] = {}  # engine id -> prefill seconds per wall second
-        self._prefill_costs: dict[str, float] = {}  # engine id -> smoothed s per uncached token
-        self._last_good: dict[str, EngineMetrics] = {}  # engine URL -> its last usable scrape
-        self._failed_in_a_row: dict[str, int] = {}  # engine URL -> consecutive failed scrapes
-        self.scrapes_bridged = 0
         # the self-sizing budget (docs/budget.md): measured here, published with each snapshot,
         # unless the gate's config fixes the scale or has no ledger (admission off)
         self.measures_budget = bool(gate.config.admission) and gate.config.budget_scale is None
@@ -291,17 +189,7 @@ class Poller:
                  "same: docs/poller.md#gate-knobs)", self.identity, self.name,
                  " ".join(f"{k}={v}" for k, v in self.knobs.items()))
 
-    def _new_term(self) -> None:
-        """Forget every engine's numbers: this poller just became leader, and what it measured
-        before (its last term, maybe an hour ago) is not fresh.  A failed scrape is then not
-        bridged with an old usage, and rates (prefill load, hit rate, prefill cost) start over
-        instead of averaging across the time it stood by."""
-        for d in (self._known_ids, self._counters, self._hit_rates, self._prefill_sums, self._load_base,
-                  self._prefill_loads, self._prefill_costs, self._last_good, self._failed_in_a_row):
-            d.clear()
-        self.budget = None  # the next budget reading starts from the scale the gate publishes now
-
-    # -- what the lease knows -----------------------------------------------------------------
+    # -- what the lease and the estimates know -----------------------------------------------
     @property
     def is_leader(self) -> bool:
         return self.lease.is_leader
@@ -316,6 +204,16 @@ class Poller:
     def leader_changes(self) -> int:
         return self.lease.changes
 
+    @property
+    def scrapes_bridged(self) -> int:
+        return self.estimates.scrapes_bridged
+
+    @property
+    def prefill_load_pending(self) -> bool:
+        """True while an engine exports prefill time (vLLM) but its first load window
+        (PREFILL_LOAD_WINDOW_S) has not closed: the snapshot says "not measured" until then."""
+        return self.estimates.load_pending
+
     def leader_identity(self) -> str | None:
         """Who holds the lease (``host:pid:random``), or None (none, or Redis did not answer
         within ``redis_call_timeout_s``)."""
@@ -328,90 +226,6 @@ class Poller:
         self.lease.release()
 
     # -- one tick -------------------------------------------------------------------------
-    async def _scrape(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, ep: Endpoint) -> ScrapeResult:
-        if not ep.healthy:
-            return ScrapeResult(ep, error="router reports the worker unhealthy" +
-                                (" (draining)" if ep.draining else ""))
-        t0 = time.monotonic()
-        async with sem:
-            try:
-                body = await fetch_limited(client, ep.url + "/metrics", timeout_s=self.http_timeout_s,
-                                           max_body_bytes=self.max_body_bytes)
-                text = body.decode("utf-8", errors="replace")
-                m = parse_metrics(text)
-            except (HttpError, MetricsParseError) as e:
-                return ScrapeResult(ep, error=str(e), seconds=time.monotonic() - t0)
-            except Exception as e:  # noqa: BLE001 - a bad engine never kills the poller
-                return ScrapeResult(ep, error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
-        return ScrapeResult(ep, metrics=m, seconds=time.monotonic() - t0)
-
-    def _update_hit_rates(self, scrapes: Sequence[ScrapeResult]) -> None:
-        """Interval hit rate from vLLM's cumulative counters (delta hits / delta queries);
-        the cumulative ratio when there is no usable previous sample."""
-        for eid, r in _scraped_ranks(scrapes):
-            if r.prefix_cache_hits is None or r.prefix_cache_queries is None:
-                self._hit_rates.pop(eid, None)
-                continue
-            prev = self._counters.get(eid)
-            self._counters[eid] = (r.prefix_cache_hits, r.prefix_cache_queries)
-            if prev is not None:
-                dh, dq = r.prefix_cache_hits - prev[0], r.prefix_cache_queries - prev[1]
-                if dq > 0 and 0 <= dh <= dq:
-                    self._hit_rates[eid] = dh / dq
-                    continue
-                if dq == 0 and eid in self._hit_rates:
-                    continue  # idle interval: keep the last rate
-            if r.hit_rate is not None:
-                self._hit_rates[eid] = r.hit_rate
-            else:
-                self._hit_rates.pop(eid, None)
-
-    def _update_prefill_costs(self, scrapes: Sequence[ScrapeResult]) -> None:
-        """Seconds of prefill per uncached prompt token, from vLLM's per-request histogram sums
-        (``request_prefill_time_seconds`` over ``request_prefill_kv_computed_tokens``): the ratio
-        of their increments since the last scrape, once PREFILL_MIN_TOKENS new tokens were
-        computed, smoothed (half old, half new); the cumulative ratio on the first scrape. Also
-        the prefill load: prefill seconds per wall second over windows of at least
-        PREFILL_LOAD_WINDOW_S, smoothed the same way. Engines that do not export both sums
-        (SGLang) have neither."""
-        now = time.monotonic()
-        for eid, r in _scraped_ranks(scrapes):
-            if r.prefill_seconds is None or r.prefill_tokens is None:
-                for d in (self._prefill_costs, self._prefill_loads, self._prefill_sums, self._load_base):
-                    d.pop(eid, None)
-                continue
-            prev = self._prefill_sums.get(eid)
-            if prev is None or r.prefill_tokens < prev[1] or r.prefill_seconds < prev[0]:
-                # first sight, or the engine restarted (counters went back): start over
-                self._prefill_sums[eid] = (r.prefill_seconds, r.prefill_tokens)
-                self._load_base[eid] = (r.prefill_seconds, now)
-                self._prefill_costs.pop(eid, None)
-                self._prefill_loads.pop(eid, None)
-                if r.prefill_tokens >= PREFILL_MIN_TOKENS:
-                    self._prefill_costs[eid] = r.prefill_seconds / r.prefill_tokens
-                continue
-            # load: prefill seconds per wall second over at least PREFILL_LOAD_WINDOW_S (the
-            # sums move only when requests finish, so short intervals are mostly noise)
-            base = self._load_base[eid]
-            if now - base[1] >= PREFILL_LOAD_WINDOW_S:
-                load = (r.prefill_seconds - base[0]) / (now - base[1])
-                old = self._prefill_loads.get(eid)
-                self._prefill_loads[eid] = load if old is None else 0.5 * old + 0.5 * load
-                self._load_base[eid] = (r.prefill_seconds, now)
-            ds, dt = r.prefill_seconds - prev[0], r.prefill_tokens - prev[1]
-            if dt < PREFILL_MIN_TOKENS:
-                continue  # too little new work to measure: keep the sums and the last estimate
-            self._prefill_sums[eid] = (r.prefill_seconds, r.prefill_tokens)
-            new = ds / dt
-            old = self._prefill_costs.get(eid)
-            self._prefill_costs[eid] = new if old is None else 0.5 * old + 0.5 * new
-
-    @property
-    def prefill_load_pending(self) -> bool:
-        """True while an engine exports prefill time (vLLM) but its first load window
-        (PREFILL_LOAD_WINDOW_S) has not closed: the snapshot says "not measured" until then."""
-        return any(eid not in self._prefill_loads for eid in self._load_base)
-
     async def atick(self, client: httpx.AsyncClient | None = None) -> TickResult:
         t0 = time.monotonic()
         self.ticks += 1
@@ -421,7 +235,9 @@ class Poller:
             self.last = res
             return res
         if not was:
-            self._new_term()
+            # a new term: what this poller measured before is not fresh (docs/poller.md#one-tick)
+            self.estimates.forget()
+            self.budget = None  # the next budget reading starts from the scale the gate publishes now
         own = client is None
         if own:
             client = async_client(trust_env=False)
@@ -455,53 +271,20 @@ class Poller:
             res.leader = False
             res.reason = "lost_lease"
             return False
-        sem = asyncio.Semaphore(self.concurrency)
-        scrapes = list(await asyncio.gather(*(self._scrape(client, sem, ep) for ep in endpoints)))
+        scrapes = await scrape_engines(client, endpoints, concurrency=self.concurrency,
+                                       timeout_s=self.http_timeout_s, max_body_bytes=self.max_body_bytes)
         res.scrapes = scrapes
         self.scrape_errors += sum(1 for s in scrapes if s.error)
         for s in scrapes:
             if s.error:
                 log.info("engine %s: scrape failed: %s", s.endpoint.url, s.error)
-        self._update_hit_rates(scrapes)
-        self._update_prefill_costs(scrapes)
-        res.states = engine_states(self._bridge(scrapes), hit_rates=self._hit_rates, known_ids=self._known_ids,
-                                   prefill_costs=self._prefill_costs, prefill_loads=self._prefill_loads)
+        res.states = self.estimates.states(scrapes)
         if not any(st.healthy for st in res.states):
             # still written: the healthy set is now empty (the epoch bumps, and again when
             # engines come back, restarted with empty caches), and clients read a snapshot
             # without a healthy engine as not fresh (degraded)
             res.reason = "no_healthy_engine" if endpoints else "no_engines"
         return True
-
-    def _bridge(self, scrapes: Sequence[ScrapeResult]) -> list[ScrapeResult]:
-        """The scrapes the snapshot is built from: a failed scrape of an engine the router still
-        lists as healthy is replaced by that engine's last usable one until it has failed
-        ``unhealthy_after`` times in a row. A single timeout must not change the healthy set:
-        that bumps the epoch, which ends every ownership window of every session, and the
-        engine's recovery a tick later bumps it again. The router's own verdict (unhealthy,
-        draining) and an engine never scraped successfully count at once."""
-        seen = {s.endpoint.url for s in scrapes}
-        for url in [u for u in self._last_good if u not in seen]:  # left the engine list:
-            del self._last_good[url]                                # its numbers are no one's now
-            self._failed_in_a_row.pop(url, None)
-        out = []
-        for s in scrapes:
-            url = s.endpoint.url
-            if s.metrics is not None:
-                self._last_good[url] = s.metrics
-                self._failed_in_a_row[url] = 0
-                out.append(s)
-                continue
-            n = self._failed_in_a_row.get(url, 0) + 1
-            self._failed_in_a_row[url] = n
-            last = self._last_good.get(url)
-            if s.endpoint.healthy and last is not None and n < self.unhealthy_after:
-                self.scrapes_bridged += 1
-                out.append(ScrapeResult(s.endpoint, metrics=last, seconds=s.seconds))
-                continue
-            self._last_good.pop(url, None)  # unhealthy now: only a fresh scrape brings it back
-            out.append(s)
-        return out
 
     async def aobserve(self, client: httpx.AsyncClient | None = None) -> TickResult:
         """Discover and scrape once; no lease, no write, no housekeeping (``--dry-run``)."""
