@@ -10,15 +10,17 @@ Each tick:
 1. leadership: take or extend the leader lease (kvgate/control/lease.py); a standby stops
    here.  A poller that just became leader starts from nothing: numbers of an earlier term
    are not reused.  While the leader's tick runs, the lease is kept alive beside it;
-2. discover engines (router ``/workers`` -> ``/list_workers``, or the static list);
+2. discover engines (router ``/workers`` -> ``/list_workers``, or the static list:
+   kvgate/control/discovery.py);
 3. scrape every engine's ``/metrics`` concurrently (kvgate/control/scrape.py);
 4. build one ``EngineState`` per engine (per data-parallel rank) from the scrapes, with the
    rates measured across ticks and a failed scrape bridged by the engine's last usable one
    (kvgate/control/estimates.py);
-5. if the lease is still ours, ``gate.write_snapshot`` (one atomic script; the core bumps the
-   epoch when the healthy set changes).  With no healthy engine (or none listed) the snapshot
-   written has none: the healthy set changed, so the epoch bumps, and clients read it as not
-   fresh and bypass as ``degraded`` (fail open).  When the router is unreachable *nothing* is
+5. if the lease is still ours, ``gate.write_snapshot`` with the budget scale measured for this
+   tick (kvgate/control/budget_reading.py; one atomic script; the core bumps the epoch when
+   the healthy set changes).  With no healthy engine (or none listed) the snapshot written
+   has none: the healthy set changed, so the epoch bumps, and clients read it as not fresh
+   and bypass as ``degraded`` (fail open).  When the router is unreachable *nothing* is
    written (nothing is known): the last snapshot goes stale after ``staleness_s``;
 6. ``gate.housekeep(limit=...)`` (reclaim expired leases and windows, drop dead waiters, wake).
 
@@ -42,17 +44,16 @@ from typing import Any, Sequence
 import httpx
 import redis
 
-from kvgate import keys
 from kvgate._http import async_client
 from kvgate.client.gate import Gate
+from kvgate.control.budget_reading import BudgetReader
 from kvgate.control.call_threads import CallThreads
+from kvgate.control.discovery import DEFAULT_MAX_BODY_BYTES, Discovery, DiscoveryError
 # PREFILL_LOAD_WINDOW_S, engine_states, leader_key and ScrapeResult are imported from here by
 # users, tests and kvgate/tools/bench/runner.py: this module re-exports them from their homes
 from kvgate.control.estimates import PREFILL_LOAD_WINDOW_S, EngineEstimates, engine_states  # noqa: F401
 from kvgate.control.lease import LeaderLease, leader_key
 from kvgate.control.scrape import ScrapeResult, scrape_engines
-from kvgate.control.discovery import DEFAULT_MAX_BODY_BYTES, Discovery, DiscoveryError
-from kvgate.control.budget import BudgetController, Reading
 
 log = logging.getLogger("kvgate.control.poller")
 
@@ -65,6 +66,7 @@ __all__ = ["Poller", "TickResult", "ScrapeResult", "engine_states", "leader_key"
 WRITE_KNOBS = ("admission", "residency", "headroom", "pressure_threshold", "high_watermark",
                "budget_scale", "staleness_s", "lease_ttl_s", "idle_grace_s",
                "wait_poll_s", "max_wait_s", "max_wait_hard_s", "reap_batch")
+
 
 @dataclass
 class TickResult:
@@ -83,28 +85,6 @@ class TickResult:
     @property
     def errors(self) -> dict[str, str]:
         return {s.endpoint.url: s.error for s in self.scrapes if s.error}
-
-
-def _cache_counters(res: "TickResult") -> tuple:
-    """The healthy engines' prefix-cache lookups and hits, summed over this tick's scrapes:
-    (queries, hits); (None, None) when an engine does not export them; (False, False) when a
-    scrape failed (its last numbers are older than the others')."""
-    queries = hits = 0.0
-    for s in res.scrapes:
-        if s.metrics is None:
-            if s.endpoint.healthy:
-                return False, False
-            continue
-        for r in s.metrics.ranks:
-            if r.prefix_cache_queries is None or r.prefix_cache_hits is None:
-                return None, None
-            queries += r.prefix_cache_queries
-            hits += r.prefix_cache_hits
-    return queries, hits
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{100 * v:.0f}%"
 
 
 class Poller:
@@ -140,7 +120,6 @@ class Poller:
             raise ValueError(f"leader_ttl_s ({leader_ttl_s}) must exceed interval_s ({interval_s}), "
                              "or the lease lapses between ticks")
         stale = gate.config.staleness_s
-        self._staleness_s = stale
         if interval_s >= stale:
             raise ValueError(f"interval_s ({interval_s}) must be below the gate's staleness_s ({stale}): "
                              "clients would read every snapshot as stale before the next one and "
@@ -173,17 +152,14 @@ class Poller:
         self.lease = LeaderLease(self.redis, self.name, identity=self.identity, ttl_s=self.leader_ttl_s,
                                  calls=self.calls)
         self.estimates = EngineEstimates(unhealthy_after)
+        self.budget_reader = BudgetReader(self.redis, self.name, gate.config, self.calls)
+        self._staleness_s = stale
         self._none_healthy = False  # the last snapshot written had no healthy engine
         self.last: TickResult | None = None
         self.ticks = 0
         self.writes = 0
         self.scrape_errors = 0
         self._stop = threading.Event()
-        # the self-sizing budget (docs/budget.md): measured here, published with each snapshot,
-        # unless the gate's config fixes the scale or has no ledger (admission off)
-        self.measures_budget = bool(gate.config.admission) and gate.config.budget_scale is None
-        self.budget: BudgetController | None = None  # made at the start of each term
-        self._budget_epoch: int | None = None
         self.knobs = {k: getattr(gate.config, k) for k in WRITE_KNOBS}
         log.info("poller %s for gate %s writes snapshots with the gate knobs %s (clients must use the "
                  "same: docs/poller.md#gate-knobs)", self.identity, self.name,
@@ -237,7 +213,7 @@ class Poller:
         if not was:
             # a new term: what this poller measured before is not fresh (docs/poller.md#one-tick)
             self.estimates.forget()
-            self.budget = None  # the next budget reading starts from the scale the gate publishes now
+            self.budget_reader.new_term()
         own = client is None
         if own:
             client = async_client(trust_env=False)
@@ -312,7 +288,7 @@ class Poller:
             res.leader = False
             res.reason = "lost_lease"
             return res
-        scale = await self._measure_budget(res)
+        scale = await self.budget_reader.measure(res.scrapes)
         try:
             res.snapshot = await self.calls.call(self.gate.write_snapshot, res.states, scale)
             res.wrote = True
@@ -330,58 +306,6 @@ class Poller:
             self._none_healthy = none
         await self._housekeep(res)
         return res
-
-    # -- the budget ---------------------------------------------------------------------------
-    def _budget_redis(self) -> dict:
-        """The gate's counters the budget controller reads, in one round trip (call thread)."""
-        k = lambda n: keys.key(self.name, n)  # noqa: E731
-        p = self.redis.pipeline(transaction=False)
-        p.hmget(k("ledger"), "acc_ts", "acc_wait_ms", "acc_idle_ms", "n_released", "tok_fresh",
-                "tok_reusable", "epoch")
-        p.zcard(k("lease_exp"))
-        p.hlen(k("windows"))
-        p.hget(k("snapshot"), "budget_scale")
-        (acc_ts, wait, idle, released, fresh, reusable, epoch), leases, windows, published = p.execute()
-        return {"acc_ts": acc_ts, "wait": wait, "idle": idle, "released": released, "fresh": fresh,
-                "reusable": reusable, "epoch": epoch, "held": leases + windows, "published": published}
-
-    async def _measure_budget(self, res: TickResult) -> float | None:
-        """The budget scale to publish with this tick's snapshot, or None (the config fixes
-        it, no ledger, or nothing could be read: the last one stands until it is stale)."""
-        if not self.measures_budget:
-            return None
-        try:
-            raw = await self.calls.call(self._budget_redis)
-        except Exception as e:  # noqa: BLE001 - Redis faults: the snapshot write reports them
-            log.debug("budget read failed: %s", e)
-            return None
-        num = lambda v: float(v) if v is not None else 0.0  # noqa: E731
-        epoch = int(num(raw["epoch"]))
-        if self.budget is None:
-            # a new term continues from the scale the gate publishes (a dead leader changes
-            # nothing but freshness)
-            published = num(raw["published"])
-            self.budget = BudgetController(published if published > 0 else 1.0)
-            self._budget_epoch = epoch
-        elif epoch != self._budget_epoch:
-            self.budget.reset()  # another engine set: what was learned was about the old one
-            self._budget_epoch = epoch
-        if raw["acc_ts"] is None:
-            return self.budget.scale  # no script ran yet
-        queries, hits = _cache_counters(res)
-        if queries is False:
-            return self.budget.scale  # a scrape failed this tick: its counters are not comparable
-        reading = Reading(now_ms=num(raw["acc_ts"]), wait_ms=num(raw["wait"]), idle_ms=num(raw["idle"]),
-                          released=int(num(raw["released"])), tok_fresh=int(num(raw["fresh"])),
-                          tok_reusable=int(num(raw["reusable"])), held=int(raw["held"]),
-                          engine_queries=queries, engine_hits=hits)
-        before = self.budget.last
-        scale = self.budget.update(reading)
-        w = self.budget.last
-        if w is not None and w is not before and w.scale_after != w.scale_before:
-            log.info("budget scale %.2f -> %.2f (%s: idle %s, retained %s)", w.scale_before, w.scale_after,
-                     w.why, _pct(w.idle_share), _pct(w.retained))
-        return scale
 
     def _housekeep_redis(self) -> Any:
         return self.gate.housekeep(limit=self.housekeep_limit)
