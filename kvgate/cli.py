@@ -151,10 +151,10 @@ def _open_gate(args: argparse.Namespace, cfg, parser: argparse.ArgumentParser | 
 
 
 def _leader_of(gate, name: str) -> str | None:
-    from kvgate.control.poller import _redis_of, leader_key
+    from kvgate.control.lease import leader_key
 
     try:
-        v = _redis_of(gate).get(leader_key(name))
+        v = gate.redis.get(leader_key(name))
     except Exception:  # noqa: BLE001 - display only
         return None
     if v is None:

@@ -147,9 +147,9 @@ def with_prefill(body: str, seconds: float, tokens: float) -> str:
 
 
 def test_vllm_prefill_cost_per_uncached_token(redis_url, servers, monkeypatch):
-    import kvgate.control.poller
+    import kvgate.control.estimates
 
-    monkeypatch.setattr(kvgate.control.poller, "PREFILL_LOAD_WINDOW_S", 0.0)  # a load from every interval
+    monkeypatch.setattr(kvgate.control.estimates, "PREFILL_LOAD_WINDOW_S", 0.0)  # a load from every interval
     body = read_data("vllm_single_metrics.txt")
     e = servers(with_prefill(body, 2.0, 10_000))
     gate = make_gate(redis_url)
@@ -191,10 +191,16 @@ def test_bench_starts_gate_policies_with_the_prefill_load_measured(redis_url, se
     import asyncio
     from types import SimpleNamespace
 
+    import kvgate.control.estimates
     import kvgate.control.poller
     from kvgate.tools.bench.runner import _start_poller, _stop_poller
 
     body = read_data("vllm_single_metrics.txt")
+
+    def window(seconds: float) -> None:
+        # the estimates measure over it; the bench reads it through kvgate.control.poller
+        for module in (kvgate.control.estimates, kvgate.control.poller):
+            monkeypatch.setattr(module, "PREFILL_LOAD_WINDOW_S", seconds)
 
     async def start(url: str) -> tuple[float, dict]:
         t0 = time.monotonic()
@@ -204,22 +210,22 @@ def test_bench_starts_gate_policies_with_the_prefill_load_measured(redis_url, se
         await _stop_poller(h)
         return waited, status
 
-    monkeypatch.setattr(kvgate.control.poller, "PREFILL_LOAD_WINDOW_S", 0.3)
+    window(0.3)
     waited, st = asyncio.run(start(servers(with_prefill(body, 2.0, 10_000)).url))
     assert waited >= 0.3 and st["prefill_load"] == 0.0  # an idle engine: measured, not unknown
     # an engine without prefill time has no window to wait out: with a 60 s window the start
     # is still prompt (the bound tells "did not wait for the window" from "waited 60 s", it
     # claims nothing about speed)
-    monkeypatch.setattr(kvgate.control.poller, "PREFILL_LOAD_WINDOW_S", 60.0)
+    window(60.0)
     waited, st = asyncio.run(start(servers(body).url))
     assert waited < 30.0 and st["prefill_load"] is None
 
 
 def test_prefill_load_waits_for_a_whole_window(redis_url, servers, monkeypatch):
-    import kvgate.control.poller
+    import kvgate.control.estimates
 
     # a window far longer than two ticks on any box, so the claim is checked on every run
-    monkeypatch.setattr(kvgate.control.poller, "PREFILL_LOAD_WINDOW_S", 600.0)
+    monkeypatch.setattr(kvgate.control.estimates, "PREFILL_LOAD_WINDOW_S", 600.0)
     body = read_data("vllm_single_metrics.txt")
     e = servers(with_prefill(body, 2.0, 10_000))
     p = Poller(make_gate(redis_url), engines=[e.url])
@@ -428,6 +434,17 @@ def test_async_gate_is_refused_with_a_clear_message(redis_url):
         Poller(agate, engines=["http://127.0.0.1:1"])
 
 
+def test_anything_but_a_gate_is_refused_with_a_clear_message(redis_url):
+    import redis as redis_lib
+
+    client = redis_lib.Redis.from_url(redis_url)
+    try:
+        with pytest.raises(ValueError, match="synchronous kvgate.Gate .*got Redis"):
+            Poller(client, engines=["http://127.0.0.1:1"])
+    finally:
+        client.close()
+
+
 def test_an_async_tick_does_not_stop_the_event_loop_on_a_slow_redis_call(redis_url, servers):
     """``atick``/``arun`` run embedded in an application's loop (the bench does): the tick's
     synchronous Redis calls go to a worker thread, so the loop keeps serving other coroutines
@@ -599,9 +616,9 @@ def test_a_router_listing_no_engine_is_an_empty_healthy_set(redis_url, servers):
 
 
 def test_a_reelected_leader_does_not_reuse_its_previous_terms_numbers(redis_url, servers, monkeypatch):
-    import kvgate.control.poller
+    import kvgate.control.estimates
 
-    monkeypatch.setattr(kvgate.control.poller, "PREFILL_LOAD_WINDOW_S", 0.0)  # a load from every interval
+    monkeypatch.setattr(kvgate.control.estimates, "PREFILL_LOAD_WINDOW_S", 0.0)  # a load from every interval
     body = read_data("vllm_single_metrics.txt")
     e = servers(with_prefill(body, 2.0, 10_000))
     a = Poller(make_gate(redis_url), engines=[e.url], identity="A")
@@ -778,12 +795,12 @@ def test_the_poller_s_redis_calls_do_not_queue_behind_the_default_executor(redis
 def test_leader_gauge_drops_when_the_lease_runs_out_between_ticks(redis_url, servers, monkeypatch):
     """kvgate_poller_leader reads Poller.status()["leader"]: a poller that stalled past its
     lease's TTL must not keep saying it leads until its next tick."""
-    import kvgate.control.poller
+    import kvgate.control.lease
 
     e = servers(sglang_metrics(10_000, 100))
     p = Poller(make_gate(redis_url), engines=[e.url], leader_ttl_s=2.0)
     now = [1000.0]
-    monkeypatch.setattr(kvgate.control.poller, "_monotonic", lambda: now[0])
+    monkeypatch.setattr(kvgate.control.lease, "_monotonic", lambda: now[0])
     assert p.tick().wrote and p.status()["leader"]
     now[0] += 1.9
     assert p.status()["leader"]

@@ -7,36 +7,33 @@ One small process per gate (``kvgate poller ...``), or a library object::
 
 Each tick:
 
-1. leadership: take or extend the leader lease (a ``redis.lock.Lock`` on
-   ``kvgate:{gate}:poller_leader`` with ``leader_ttl_s``); a standby stops here.  A poller that
-   just became leader starts from nothing: numbers of an earlier term are not reused.  While
-   the leader's tick runs, a task extends the lease every ``leader_ttl_s / 3``;
-2. discover engines (router ``/workers`` -> ``/list_workers``, or the static list);
-3. scrape every engine's ``/metrics`` concurrently (bounded concurrency, an overall deadline and
-   a body-size cap per request);
-4. build one ``EngineState`` per engine (per data-parallel rank); an engine the router marks
-   unhealthy is ``healthy=False``, and so is one whose scrape failed (no answer, garbage)
-   ``unhealthy_after`` times in a row (default 2: until then its last usable scrape stands
-   in, so one timeout does not bump the epoch and end every ownership window);
-5. if the lease is still ours, ``gate.write_snapshot`` (one atomic script; the core bumps the
-   epoch when the healthy set changes).  With no healthy engine (or none listed) the snapshot
-   written has none: the healthy set changed, so the epoch bumps, and clients read it as not
-   fresh and bypass as ``degraded`` (fail open).  When the router is unreachable *nothing* is
+1. leadership: take or extend the leader lease (kvgate/control/lease.py); a standby stops
+   here.  A poller that just became leader starts from nothing: numbers of an earlier term
+   are not reused.  While the leader's tick runs, the lease is kept alive beside it;
+2. discover engines (router ``/workers`` -> ``/list_workers``, or the static list:
+   kvgate/control/discovery.py);
+3. scrape every engine's ``/metrics`` concurrently (kvgate/control/scrape.py);
+4. build one ``EngineState`` per engine (per data-parallel rank) from the scrapes, with the
+   rates measured across ticks and a failed scrape bridged by the engine's last usable one
+   (kvgate/control/estimates.py);
+5. if the lease is still ours, ``gate.write_snapshot`` with the budget scale measured for this
+   tick (kvgate/control/budget_reading.py; one atomic script; the core bumps the epoch when
+   the healthy set changes).  With no healthy engine (or none listed) the snapshot written
+   has none: the healthy set changed, so the epoch bumps, and clients read it as not fresh
+   and bypass as ``degraded`` (fail open).  When the router is unreachable *nothing* is
    written (nothing is known): the last snapshot goes stale after ``staleness_s``;
 6. ``gate.housekeep(limit=...)`` (reclaim expired leases and windows, drop dead waiters, wake).
 
 Only the leader writes and housekeeps.  Every Redis call of the poller runs on a few threads
-of its own (not the event loop's default executor, which also resolves engine host names) and
-is bounded by ``leader_ttl_s / 3``; one that does not answer in time counts as failed.
+of its own, bounded by ``leader_ttl_s / 3`` (kvgate/control/call_threads.py); one that does
+not answer in time counts as failed.
 See docs/poller.md.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -46,31 +43,22 @@ from typing import Any, Sequence
 
 import httpx
 import redis
-from redis.exceptions import LockError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvgate import keys
 from kvgate._http import async_client
-from kvgate.control.discovery import (
-    DEFAULT_MAX_BODY_BYTES,
-    Discovery,
-    DiscoveryError,
-    Endpoint,
-    HttpError,
-    fetch_limited,
-)
-from kvgate.control.budget import BudgetController, Reading
-from kvgate.control.promparse import EngineMetrics, MetricsParseError, parse_metrics
+from kvgate.client.gate import Gate
+from kvgate.control.budget_reading import BudgetReader
+from kvgate.control.call_threads import CallThreads
+from kvgate.control.discovery import DEFAULT_MAX_BODY_BYTES, Discovery, DiscoveryError
+# PREFILL_LOAD_WINDOW_S, engine_states, leader_key and ScrapeResult are imported from here by
+# users, tests and kvgate/tools/bench/runner.py: this module re-exports them from their homes
+from kvgate.control.estimates import PREFILL_LOAD_WINDOW_S, EngineEstimates, engine_states  # noqa: F401
+from kvgate.control.lease import LeaderLease, leader_key
+from kvgate.control.scrape import ScrapeResult, scrape_engines
 
 log = logging.getLogger("kvgate.control.poller")
 
 __all__ = ["Poller", "TickResult", "ScrapeResult", "engine_states", "leader_key"]
 
-
-# an interval with fewer newly computed prompt tokens than this does not update the estimate
-PREFILL_MIN_TOKENS = 256
-# the prefill load is measured over windows of at least this many seconds
-PREFILL_LOAD_WINDOW_S = 2.0
 
 # the gate knobs the scripts apply on every snapshot write and housekeeping call (FIFO
 # advance, trim, staleness, lease and window times): logged at start and in status(), since a
@@ -78,20 +66,6 @@ PREFILL_LOAD_WINDOW_S = 2.0
 WRITE_KNOBS = ("admission", "residency", "headroom", "pressure_threshold", "high_watermark",
                "budget_scale", "staleness_s", "lease_ttl_s", "idle_grace_s",
                "wait_poll_s", "max_wait_s", "max_wait_hard_s", "reap_batch")
-
-_monotonic = time.monotonic  # the poller's own clock for its lease (tests replace it)
-
-
-def leader_key(gate_name: str) -> str:
-    return keys.key(gate_name, "poller_leader")
-
-
-@dataclass
-class ScrapeResult:
-    endpoint: Endpoint
-    metrics: EngineMetrics | None = None
-    error: str | None = None
-    seconds: float = 0.0
 
 
 @dataclass
@@ -113,185 +87,12 @@ class TickResult:
         return {s.endpoint.url: s.error for s in self.scrapes if s.error}
 
 
-def _engine_state_cls():
-    from kvgate.client.snapshot import EngineState
-
-    return EngineState
-
-
-def engine_states(scrapes: Sequence[ScrapeResult], *, hit_rates: dict[str, float] | None = None,
-                  known_ids: dict[str, list[str]] | None = None,
-                  prefill_costs: dict[str, float] | None = None,
-                  prefill_loads: dict[str, float] | None = None) -> list:
-    """``EngineState`` list from scrape results.
-
-    One state per data-parallel rank; a single-rank engine's id is its base URL, a DP rank's id
-    is ``<url>#dp<rank>``.  A failed or unhealthy endpoint yields ``healthy=False`` states for
-    the ids it had last time (so the healthy set visibly changes), or for its URL.
-    """
-    EngineState = _engine_state_cls()
-    hit_rates = hit_rates or {}
-    prefill_costs = prefill_costs or {}
-    prefill_loads = prefill_loads or {}
-    known_ids = known_ids if known_ids is not None else {}
-    out = []
-    seen: set[str] = set()
-    for s in scrapes:
-        url = s.endpoint.url
-        if s.metrics is None:
-            for eid in known_ids.get(url) or [url]:
-                if eid not in seen:
-                    seen.add(eid)
-                    out.append(EngineState(engine_id=eid, capacity_tokens=0, healthy=False, url=url,
-                                           kind=_kind_guess(s)))
-            continue
-        ranks = s.metrics.ranks
-        ids = []
-        for r in ranks:
-            eid = _rank_id(url, ranks, r)
-            if eid in seen:
-                continue
-            seen.add(eid)
-            ids.append(eid)
-            try:
-                st = EngineState(engine_id=eid, capacity_tokens=int(r.capacity_tokens),
-                                 used_tokens=r.used_tokens, usage=r.usage, healthy=True,
-                                 hit_rate=hit_rates.get(eid, r.hit_rate), url=url, kind=r.kind,
-                                 prefill_s_per_token=prefill_costs.get(eid),
-                                 prefill_load=prefill_loads.get(eid))
-            except ValueError as e:  # values the core rejects: this engine only is unhealthy
-                log.info("engine %s: unusable metrics: %s", eid, e)
-                st = EngineState(engine_id=eid, capacity_tokens=0, healthy=False, url=url, kind=r.kind)
-            out.append(st)
-        known_ids[url] = ids
-    return out
-
-
-def _rank_id(url: str, ranks: Sequence, r: Any) -> str:
-    """A single-rank engine is its URL; a data-parallel rank is ``<url>#dp<rank>``."""
-    return url if len(ranks) == 1 else f"{url}#dp{r.dp_rank}"
-
-
-def _scraped_ranks(scrapes: Sequence[ScrapeResult]):
-    """(engine id, RankMetrics) of every rank that was scraped (ids as in ``engine_states``)."""
-    for s in scrapes:
-        if s.metrics is None:
-            continue
-        ranks = s.metrics.ranks
-        for r in ranks:
-            yield _rank_id(s.endpoint.url, ranks, r), r
-
-
-def _kind_guess(s: ScrapeResult) -> str:
-    return "vllm" if (s.endpoint.worker_type or "").startswith("vllm") else "sglang"
-
-
-def _cache_counters(res: "TickResult") -> tuple:
-    """The healthy engines' prefix-cache lookups and hits, summed over this tick's scrapes:
-    (queries, hits); (None, None) when an engine does not export them; (False, False) when a
-    scrape failed (its last numbers are older than the others')."""
-    queries = hits = 0.0
-    for s in res.scrapes:
-        if s.metrics is None:
-            if s.endpoint.healthy:
-                return False, False
-            continue
-        for r in s.metrics.ranks:
-            if r.prefix_cache_queries is None or r.prefix_cache_hits is None:
-                return None, None
-            queries += r.prefix_cache_queries
-            hits += r.prefix_cache_hits
-    return queries, hits
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{100 * v:.0f}%"
-
-
-def _redis_of(gate: Any) -> redis.Redis:
-    if type(gate).__name__.startswith("Async"):
-        raise ValueError("Poller needs a synchronous kvgate.Gate (it runs its own event loop), "
-                         f"got {type(gate).__name__}")
-    for attr in ("redis", "client", "_redis", "_client", "r"):
-        c = getattr(gate, attr, None)
-        if isinstance(c, (redis.Redis, redis.RedisCluster)):
-            return c
-    raise ValueError("cannot find the gate's redis client; pass redis=... to Poller")
-
-
-def _gate_name(gate: Any) -> str:
-    for attr in ("name", "gate", "gate_name"):
-        v = getattr(gate, attr, None)
-        if isinstance(v, str) and v:
-            return v
-    raise ValueError("cannot find the gate's name; pass name=... to Poller")
-
-
-class _CallThreads:
-    """A few daemon threads of one poller for its blocking Redis calls (synchronous redis-py).
-
-    Not the event loop's default executor: ``asyncio.to_thread`` and the loop's getaddrinfo
-    (httpx / anyio resolve engine host names there) share it, so slow DNS for a down engine
-    could queue the lease behind it past the TTL.  A call that never returns (a client without
-    a socket timeout on a Redis that stopped answering) keeps its thread; the caller stops
-    waiting at its bound, the next call gets another thread (up to ``max_threads``), and when
-    ``backlog`` calls are already waiting a new one fails at once.  Daemon threads, so a stuck
-    call never holds up the process's exit; idle ones end after ``idle_s``."""
-
-    def __init__(self, max_threads: int = 4, backlog: int = 8, idle_s: float = 30.0) -> None:
-        self.max_threads, self.backlog, self.idle_s = max_threads, backlog, idle_s
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads = 0
-        self._idle = 0
-        self._queued = 0
-
-    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if self._queued >= self.backlog:
-                raise RedisTimeoutError(f"{self._queued} Redis calls of the poller are still waiting "
-                                        "for a thread (Redis does not answer)")
-            self._queued += 1
-            self._q.put((fut, fn, args))
-            if self._queued > self._idle and self._threads < self.max_threads:
-                self._threads += 1
-                threading.Thread(target=self._work, name="kvgate-poller-redis", daemon=True).start()
-        return fut
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                self._idle += 1
-            try:
-                item = self._q.get(timeout=self.idle_s)
-            except queue.Empty:
-                with self._lock:
-                    self._idle -= 1
-                    if self._queued == 0:
-                        self._threads -= 1
-                        return
-                continue
-            with self._lock:
-                self._idle -= 1
-                self._queued -= 1
-            fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue  # its caller stopped waiting before it started
-            try:
-                r = fn(*args)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
-            else:
-                fut.set_result(r)
-
-
 class Poller:
     """Discover + scrape + write snapshots for one gate; leader-elected through Redis."""
 
     def __init__(
         self,
-        gate: Any,
+        gate: Gate,
         *,
         router: str | None = None,
         engines: Sequence[str] | None = None,
@@ -306,6 +107,11 @@ class Poller:
         name: str | None = None,
         identity: str | None = None,
     ) -> None:
+        if not isinstance(gate, Gate):
+            # an AsyncGate's calls are coroutines for its own loop; the poller calls the gate
+            # from its own threads and runs its own event loop
+            raise ValueError("Poller needs a synchronous kvgate.Gate (it runs its own event loop), "
+                             f"got {type(gate).__name__}")
         for nm, v in (("interval_s", interval_s), ("http_timeout_s", http_timeout_s),
                       ("leader_ttl_s", leader_ttl_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < float("inf")):
@@ -313,19 +119,15 @@ class Poller:
         if leader_ttl_s <= interval_s:
             raise ValueError(f"leader_ttl_s ({leader_ttl_s}) must exceed interval_s ({interval_s}), "
                              "or the lease lapses between ticks")
-        stale = getattr(getattr(gate, "config", None), "staleness_s", None)
-        if not isinstance(stale, (int, float)) or isinstance(stale, bool):
-            stale = None
-        self._staleness_s = stale
-        if stale is not None:
-            if interval_s >= stale:
-                raise ValueError(f"interval_s ({interval_s}) must be below the gate's staleness_s ({stale}): "
-                                 "clients would read every snapshot as stale before the next one and "
-                                 "bypass as degraded")
-            if interval_s + http_timeout_s >= stale:
-                log.warning("interval_s (%s) + http_timeout_s (%s) >= staleness_s (%s): one slow scrape "
-                            "leaves clients without a fresh snapshot (degraded)", interval_s,
-                            http_timeout_s, stale)
+        stale = gate.config.staleness_s
+        if interval_s >= stale:
+            raise ValueError(f"interval_s ({interval_s}) must be below the gate's staleness_s ({stale}): "
+                             "clients would read every snapshot as stale before the next one and "
+                             "bypass as degraded")
+        if interval_s + http_timeout_s >= stale:
+            log.warning("interval_s (%s) + http_timeout_s (%s) >= staleness_s (%s): one slow scrape "
+                        "leaves clients without a fresh snapshot (degraded)", interval_s,
+                        http_timeout_s, stale)
         for nm, v in (("concurrency", concurrency), ("housekeep_limit", housekeep_limit),
                       ("max_body_bytes", max_body_bytes), ("unhealthy_after", unhealthy_after)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -340,261 +142,82 @@ class Poller:
         self.concurrency = concurrency
         self.housekeep_limit = housekeep_limit
         self.unhealthy_after = unhealthy_after
-        self.name = name or _gate_name(gate)
-        self.redis = redis_client if redis_client is not None else _redis_of(gate)
+        self.name = name or gate.name
+        self.redis = redis_client if redis_client is not None else gate.redis
         self.identity = identity or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.lock = self.redis.lock(leader_key(self.name), timeout=self.leader_ttl_s,
-                                    blocking=False, thread_local=False)
-        self.is_leader = False
-        # every Redis call of a tick returns within this (a third of the lease): one slower
+        # every Redis call of the poller returns within this (a third of the lease): one slower
         # than that counts as failed, as a Redis error does
         self.redis_call_timeout_s = self.leader_ttl_s / 3
-        self._calls = _CallThreads()
-        self._lease_until = 0.0  # _monotonic() time by which our lease surely ran out
+        self.calls = CallThreads(bound_s=self.redis_call_timeout_s)
+        self.lease = LeaderLease(self.redis, self.name, identity=self.identity, ttl_s=self.leader_ttl_s,
+                                 calls=self.calls)
+        self.estimates = EngineEstimates(unhealthy_after)
+        self.budget_reader = BudgetReader(self.redis, self.name, gate.config, self.calls)
+        self._staleness_s = stale
         self._none_healthy = False  # the last snapshot written had no healthy engine
         self.last: TickResult | None = None
         self.ticks = 0
         self.writes = 0
-        self.leader_changes = 0
         self.scrape_errors = 0
         self._stop = threading.Event()
-        self._known_ids: dict[str, list[str]] = {}
-        self._counters: dict[str, tuple[float, float]] = {}  # engine id -> (hits, queries)
-        self._hit_rates: dict[str, float] = {}
-        self._prefill_sums: dict[str, tuple[float, float]] = {}  # engine id -> (seconds, tokens)
-        self._load_base: dict[str, tuple[float, float]] = {}  # engine id -> (seconds, at)
-        self._prefill_loads: dict[str, float] = {}  # engine id -> prefill seconds per wall second
-        self._prefill_costs: dict[str, float] = {}  # engine id -> smoothed s per uncached token
-        self._last_good: dict[str, EngineMetrics] = {}  # engine URL -> its last usable scrape
-        self._failed_in_a_row: dict[str, int] = {}  # engine URL -> consecutive failed scrapes
-        self.scrapes_bridged = 0
-        # the self-sizing budget (docs/budget.md): measured here, published with each snapshot,
-        # unless the gate's config fixes the scale or has no ledger (admission off)
-        cfg = getattr(gate, "config", None)
-        self.measures_budget = bool(getattr(cfg, "admission", False)) and getattr(cfg, "budget_scale", 0) is None
-        self.budget: BudgetController | None = None  # made at the start of each term
-        self._budget_epoch: int | None = None
-        self.knobs = {k: getattr(getattr(gate, "config", None), k) for k in WRITE_KNOBS
-                      if hasattr(getattr(gate, "config", None), k)}
+        self.knobs = {k: getattr(gate.config, k) for k in WRITE_KNOBS}
         log.info("poller %s for gate %s writes snapshots with the gate knobs %s (clients must use the "
                  "same: docs/poller.md#gate-knobs)", self.identity, self.name,
                  " ".join(f"{k}={v}" for k, v in self.knobs.items()))
 
-    def _new_term(self) -> None:
-        """Forget every engine's numbers: this poller just became leader, and what it measured
-        before (its last term, maybe an hour ago) is not fresh.  A failed scrape is then not
-        bridged with an old usage, and rates (prefill load, hit rate, prefill cost) start over
-        instead of averaging across the time it stood by."""
-        for d in (self._known_ids, self._counters, self._hit_rates, self._prefill_sums, self._load_base,
-                  self._prefill_loads, self._prefill_costs, self._last_good, self._failed_in_a_row):
-            d.clear()
-        self.budget = None  # the next budget reading starts from the scale the gate publishes now
-
-    # -- leadership -----------------------------------------------------------------------
-    def _lease_redis(self) -> bool:
-        """The Redis side of :meth:`_hold_lease` (runs on a call thread; touches no poller
-        state): extend the lease if we hold it, else try to take it."""
-        if getattr(self.lock.local, "token", None) is not None:
-            # We held it at some point: extending checks the token atomically, so this also
-            # keeps a lease we still own after a Redis blip made us think we lost it.
-            try:
-                self.lock.extend(self.leader_ttl_s, replace_ttl=True)
-                return True
-            except LockError:
-                pass  # expired (we stalled) or taken over
-        return bool(self.lock.acquire(blocking=False, token=self.identity))
-
-    async def _hold_lease(self) -> bool:
-        """Extend or take the lease.  Redis faults, and calls slower than
-        ``redis_call_timeout_s``, -> not leader."""
-        was = self.is_leader
-        t0 = _monotonic()
-        try:
-            got = await self._redis_call(self._lease_redis)
-        except RedisError as e:
-            log.warning("leader lease: redis error: %s", e)
-            got = False
-        if got:
-            self._lease_until = t0 + self.leader_ttl_s
-        self.is_leader = got
-        if got != was:
-            self.leader_changes += 1
-            log.info("poller %s is now %s", self.identity, "LEADER" if got else "standby")
-        return got
-
-    def _extend_redis(self) -> None:
-        self.lock.extend(self.leader_ttl_s, replace_ttl=True)  # LockError: not ours any more
-
-    async def _keep_lease(self) -> None:
-        """Extend the lease every ``leader_ttl_s / 3`` while the leader's tick runs: scraping
-        alone can take ``ceil(engines / concurrency)`` request deadlines, longer than the TTL,
-        and a lease that lapsed mid-tick lets a standby take it, whose own long tick then loses
-        it the same way (no poller would ever write).  Only extends, never takes: a lease that
-        is no longer ours stays lost, and the fence before the write refuses to write."""
-        period = self.leader_ttl_s / 3
-        while True:
-            await asyncio.sleep(period)
-            t0 = _monotonic()
-            try:
-                await self._redis_call(self._extend_redis)
-            except LockError:
-                self._lease_until = 0.0
-                return
-            except RedisError as e:
-                log.debug("leader lease: keep-alive failed: %s", e)
-                continue
-            self._lease_until = t0 + self.leader_ttl_s
+    # -- what the lease and the estimates know -----------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        return self.lease.is_leader
 
     @property
     def holds_lease(self) -> bool:
         """Leader at the last check, and the lease's TTL has not run out since on this
         poller's own clock (a poller that stalled past it may have lost the lease)."""
-        return self.is_leader and _monotonic() < self._lease_until
+        return self.lease.held
 
-    def leader_identity(self) -> str | None:
-        """Who holds the lease (``host:pid:random``), or None (none, or Redis did not answer
-        within ``redis_call_timeout_s``)."""
-        fut = None
-        try:
-            fut = self._calls.submit(self.redis.get, leader_key(self.name))
-            v = fut.result(timeout=self.redis_call_timeout_s)
-        except (concurrent.futures.TimeoutError, RedisError):
-            if fut is not None:
-                fut.cancel()
-            return None
-        return v.decode() if isinstance(v, bytes) else v
+    @property
+    def leader_changes(self) -> int:
+        return self.lease.changes
 
-    def _release_redis(self) -> None:
-        if getattr(self.lock.local, "token", None) is not None:
-            try:
-                self.lock.release()  # a no-op error if the lease is no longer ours
-            except (LockError, RedisError):
-                pass
-
-    async def _arelease(self) -> None:
-        """:meth:`release` for the event loop (``arun``'s way out)."""
-        self.is_leader = False
-        self._lease_until = 0.0
-        try:
-            await self._redis_call(self._release_redis)
-        except RedisError as e:
-            log.warning("leader lease: not released (%s): it expires within %.1fs", e, self.leader_ttl_s)
-
-    def release(self) -> None:
-        """Give up the lease at once (graceful shutdown: a standby takes over next tick).
-        Bounded by ``redis_call_timeout_s``; on a Redis that does not answer, the lease is
-        left to expire."""
-        self.is_leader = False
-        self._lease_until = 0.0
-        fut = None
-        try:
-            fut = self._calls.submit(self._release_redis)
-            fut.result(timeout=self.redis_call_timeout_s)
-        except (concurrent.futures.TimeoutError, RedisError) as e:
-            if fut is not None:
-                fut.cancel()
-            log.warning("leader lease: not released (%s): it expires within %.1fs",
-                        str(e) or "Redis did not answer in time", self.leader_ttl_s)
-
-    # -- one tick -------------------------------------------------------------------------
-    async def _scrape(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, ep: Endpoint) -> ScrapeResult:
-        if not ep.healthy:
-            return ScrapeResult(ep, error="router reports the worker unhealthy" +
-                                (" (draining)" if ep.draining else ""))
-        t0 = time.monotonic()
-        async with sem:
-            try:
-                body = await fetch_limited(client, ep.url + "/metrics", timeout_s=self.http_timeout_s,
-                                           max_body_bytes=self.max_body_bytes)
-                text = body.decode("utf-8", errors="replace")
-                m = parse_metrics(text)
-            except (HttpError, MetricsParseError) as e:
-                return ScrapeResult(ep, error=str(e), seconds=time.monotonic() - t0)
-            except Exception as e:  # noqa: BLE001 - a bad engine never kills the poller
-                return ScrapeResult(ep, error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
-        return ScrapeResult(ep, metrics=m, seconds=time.monotonic() - t0)
-
-    def _update_hit_rates(self, scrapes: Sequence[ScrapeResult]) -> None:
-        """Interval hit rate from vLLM's cumulative counters (delta hits / delta queries);
-        the cumulative ratio when there is no usable previous sample."""
-        for eid, r in _scraped_ranks(scrapes):
-            if r.prefix_cache_hits is None or r.prefix_cache_queries is None:
-                self._hit_rates.pop(eid, None)
-                continue
-            prev = self._counters.get(eid)
-            self._counters[eid] = (r.prefix_cache_hits, r.prefix_cache_queries)
-            if prev is not None:
-                dh, dq = r.prefix_cache_hits - prev[0], r.prefix_cache_queries - prev[1]
-                if dq > 0 and 0 <= dh <= dq:
-                    self._hit_rates[eid] = dh / dq
-                    continue
-                if dq == 0 and eid in self._hit_rates:
-                    continue  # idle interval: keep the last rate
-            if r.hit_rate is not None:
-                self._hit_rates[eid] = r.hit_rate
-            else:
-                self._hit_rates.pop(eid, None)
-
-    def _update_prefill_costs(self, scrapes: Sequence[ScrapeResult]) -> None:
-        """Seconds of prefill per uncached prompt token, from vLLM's per-request histogram sums
-        (``request_prefill_time_seconds`` over ``request_prefill_kv_computed_tokens``): the ratio
-        of their increments since the last scrape, once PREFILL_MIN_TOKENS new tokens were
-        computed, smoothed (half old, half new); the cumulative ratio on the first scrape. Also
-        the prefill load: prefill seconds per wall second over windows of at least
-        PREFILL_LOAD_WINDOW_S, smoothed the same way. Engines that do not export both sums
-        (SGLang) have neither."""
-        now = time.monotonic()
-        for eid, r in _scraped_ranks(scrapes):
-            if r.prefill_seconds is None or r.prefill_tokens is None:
-                for d in (self._prefill_costs, self._prefill_loads, self._prefill_sums, self._load_base):
-                    d.pop(eid, None)
-                continue
-            prev = self._prefill_sums.get(eid)
-            if prev is None or r.prefill_tokens < prev[1] or r.prefill_seconds < prev[0]:
-                # first sight, or the engine restarted (counters went back): start over
-                self._prefill_sums[eid] = (r.prefill_seconds, r.prefill_tokens)
-                self._load_base[eid] = (r.prefill_seconds, now)
-                self._prefill_costs.pop(eid, None)
-                self._prefill_loads.pop(eid, None)
-                if r.prefill_tokens >= PREFILL_MIN_TOKENS:
-                    self._prefill_costs[eid] = r.prefill_seconds / r.prefill_tokens
-                continue
-            # load: prefill seconds per wall second over at least PREFILL_LOAD_WINDOW_S (the
-            # sums move only when requests finish, so short intervals are mostly noise)
-            base = self._load_base[eid]
-            if now - base[1] >= PREFILL_LOAD_WINDOW_S:
-                load = (r.prefill_seconds - base[0]) / (now - base[1])
-                old = self._prefill_loads.get(eid)
-                self._prefill_loads[eid] = load if old is None else 0.5 * old + 0.5 * load
-                self._load_base[eid] = (r.prefill_seconds, now)
-            ds, dt = r.prefill_seconds - prev[0], r.prefill_tokens - prev[1]
-            if dt < PREFILL_MIN_TOKENS:
-                continue  # too little new work to measure: keep the sums and the last estimate
-            self._prefill_sums[eid] = (r.prefill_seconds, r.prefill_tokens)
-            new = ds / dt
-            old = self._prefill_costs.get(eid)
-            self._prefill_costs[eid] = new if old is None else 0.5 * old + 0.5 * new
+    @property
+    def scrapes_bridged(self) -> int:
+        return self.estimates.scrapes_bridged
 
     @property
     def prefill_load_pending(self) -> bool:
         """True while an engine exports prefill time (vLLM) but its first load window
         (PREFILL_LOAD_WINDOW_S) has not closed: the snapshot says "not measured" until then."""
-        return any(eid not in self._prefill_loads for eid in self._load_base)
+        return self.estimates.load_pending
 
+    def leader_identity(self) -> str | None:
+        """Who holds the lease (``host:pid:random``), or None (none, or Redis did not answer
+        within ``redis_call_timeout_s``)."""
+        return self.lease.holder()
+
+    def release(self) -> None:
+        """Give up the lease at once (graceful shutdown: a standby takes over next tick).
+        Bounded by ``redis_call_timeout_s``; on a Redis that does not answer, the lease is
+        left to expire."""
+        self.lease.release()
+
+    # -- one tick -------------------------------------------------------------------------
     async def atick(self, client: httpx.AsyncClient | None = None) -> TickResult:
         t0 = time.monotonic()
         self.ticks += 1
-        was = self.is_leader
-        if not await self._hold_lease():
+        was = self.lease.is_leader
+        if not await self.lease.hold():
             res = TickResult(leader=False, reason="standby", seconds=time.monotonic() - t0)
             self.last = res
             return res
         if not was:
-            self._new_term()
+            # a new term: what this poller measured before is not fresh (docs/poller.md#one-tick)
+            self.estimates.forget()
+            self.budget_reader.new_term()
         own = client is None
         if own:
             client = async_client(trust_env=False)
-        keeper = asyncio.create_task(self._keep_lease())
+        keeper = asyncio.create_task(self.lease.keep_alive())
         try:
             res = await self._lead_tick(client)
         finally:
@@ -602,7 +225,7 @@ class Poller:
             if own:
                 await client.aclose()
         res.seconds = time.monotonic() - t0
-        if self._staleness_s is not None and res.seconds > self._staleness_s:
+        if res.seconds > self._staleness_s:
             log.warning("the tick took %.1fs, longer than staleness_s (%s): clients read the snapshot as "
                         "stale meanwhile; scraping takes up to ceil(engines / --concurrency) x "
                         "--http-timeout: raise --concurrency or lower --http-timeout", res.seconds,
@@ -620,57 +243,24 @@ class Poller:
             res.reason = "router_unreachable"
             log.warning("%s", e)
             return False
-        if fenced and not await self._hold_lease():  # discovery may have taken two request deadlines
+        if fenced and not await self.lease.hold():  # discovery may have taken two request deadlines
             res.leader = False
             res.reason = "lost_lease"
             return False
-        sem = asyncio.Semaphore(self.concurrency)
-        scrapes = list(await asyncio.gather(*(self._scrape(client, sem, ep) for ep in endpoints)))
+        scrapes = await scrape_engines(client, endpoints, concurrency=self.concurrency,
+                                       timeout_s=self.http_timeout_s, max_body_bytes=self.max_body_bytes)
         res.scrapes = scrapes
         self.scrape_errors += sum(1 for s in scrapes if s.error)
         for s in scrapes:
             if s.error:
                 log.info("engine %s: scrape failed: %s", s.endpoint.url, s.error)
-        self._update_hit_rates(scrapes)
-        self._update_prefill_costs(scrapes)
-        res.states = engine_states(self._bridge(scrapes), hit_rates=self._hit_rates, known_ids=self._known_ids,
-                                   prefill_costs=self._prefill_costs, prefill_loads=self._prefill_loads)
+        res.states = self.estimates.states(scrapes)
         if not any(st.healthy for st in res.states):
             # still written: the healthy set is now empty (the epoch bumps, and again when
             # engines come back, restarted with empty caches), and clients read a snapshot
             # without a healthy engine as not fresh (degraded)
             res.reason = "no_healthy_engine" if endpoints else "no_engines"
         return True
-
-    def _bridge(self, scrapes: Sequence[ScrapeResult]) -> list[ScrapeResult]:
-        """The scrapes the snapshot is built from: a failed scrape of an engine the router still
-        lists as healthy is replaced by that engine's last usable one until it has failed
-        ``unhealthy_after`` times in a row. A single timeout must not change the healthy set:
-        that bumps the epoch, which ends every ownership window of every session, and the
-        engine's recovery a tick later bumps it again. The router's own verdict (unhealthy,
-        draining) and an engine never scraped successfully count at once."""
-        seen = {s.endpoint.url for s in scrapes}
-        for url in [u for u in self._last_good if u not in seen]:  # left the engine list:
-            del self._last_good[url]                                # its numbers are no one's now
-            self._failed_in_a_row.pop(url, None)
-        out = []
-        for s in scrapes:
-            url = s.endpoint.url
-            if s.metrics is not None:
-                self._last_good[url] = s.metrics
-                self._failed_in_a_row[url] = 0
-                out.append(s)
-                continue
-            n = self._failed_in_a_row.get(url, 0) + 1
-            self._failed_in_a_row[url] = n
-            last = self._last_good.get(url)
-            if s.endpoint.healthy and last is not None and n < self.unhealthy_after:
-                self.scrapes_bridged += 1
-                out.append(ScrapeResult(s.endpoint, metrics=last, seconds=s.seconds))
-                continue
-            self._last_good.pop(url, None)  # unhealthy now: only a fresh scrape brings it back
-            out.append(s)
-        return out
 
     async def aobserve(self, client: httpx.AsyncClient | None = None) -> TickResult:
         """Discover and scrape once; no lease, no write, no housekeeping (``--dry-run``)."""
@@ -694,13 +284,13 @@ class Poller:
                 await self._housekeep(res)
             return res
         # Fence: scraping took time; write only if the lease is still ours.
-        if not await self._hold_lease():
+        if not await self.lease.hold():
             res.leader = False
             res.reason = "lost_lease"
             return res
-        scale = await self._measure_budget(res)
+        scale = await self.budget_reader.measure(res.scrapes)
         try:
-            res.snapshot = await self._redis_call(self.gate.write_snapshot, res.states, scale)
+            res.snapshot = await self.calls.call(self.gate.write_snapshot, res.states, scale)
             res.wrote = True
             self.writes += 1
         except Exception as e:  # noqa: BLE001 - Redis down, script errors: never kill the loop
@@ -717,79 +307,12 @@ class Poller:
         await self._housekeep(res)
         return res
 
-    # -- the budget ---------------------------------------------------------------------------
-    def _budget_redis(self) -> dict:
-        """The gate's counters the budget controller reads, in one round trip (call thread)."""
-        k = lambda n: keys.key(self.name, n)  # noqa: E731
-        p = self.redis.pipeline(transaction=False)
-        p.hmget(k("ledger"), "acc_ts", "acc_wait_ms", "acc_idle_ms", "n_released", "tok_fresh",
-                "tok_reusable", "epoch")
-        p.zcard(k("lease_exp"))
-        p.hlen(k("windows"))
-        p.hget(k("snapshot"), "budget_scale")
-        (acc_ts, wait, idle, released, fresh, reusable, epoch), leases, windows, published = p.execute()
-        return {"acc_ts": acc_ts, "wait": wait, "idle": idle, "released": released, "fresh": fresh,
-                "reusable": reusable, "epoch": epoch, "held": leases + windows, "published": published}
-
-    async def _measure_budget(self, res: TickResult) -> float | None:
-        """The budget scale to publish with this tick's snapshot, or None (the config fixes
-        it, no ledger, or nothing could be read: the last one stands until it is stale)."""
-        if not self.measures_budget:
-            return None
-        try:
-            raw = await self._redis_call(self._budget_redis)
-        except Exception as e:  # noqa: BLE001 - Redis faults: the snapshot write reports them
-            log.debug("budget read failed: %s", e)
-            return None
-        num = lambda v: float(v) if v is not None else 0.0  # noqa: E731
-        epoch = int(num(raw["epoch"]))
-        if self.budget is None:
-            # a new term continues from the scale the gate publishes (a dead leader changes
-            # nothing but freshness)
-            published = num(raw["published"])
-            self.budget = BudgetController(published if published > 0 else 1.0)
-            self._budget_epoch = epoch
-        elif epoch != self._budget_epoch:
-            self.budget.reset()  # another engine set: what was learned was about the old one
-            self._budget_epoch = epoch
-        if raw["acc_ts"] is None:
-            return self.budget.scale  # no script ran yet
-        queries, hits = _cache_counters(res)
-        if queries is False:
-            return self.budget.scale  # a scrape failed this tick: its counters are not comparable
-        reading = Reading(now_ms=num(raw["acc_ts"]), wait_ms=num(raw["wait"]), idle_ms=num(raw["idle"]),
-                          released=int(num(raw["released"])), tok_fresh=int(num(raw["fresh"])),
-                          tok_reusable=int(num(raw["reusable"])), held=int(raw["held"]),
-                          engine_queries=queries, engine_hits=hits)
-        before = self.budget.last
-        scale = self.budget.update(reading)
-        w = self.budget.last
-        if w is not None and w is not before and w.scale_after != w.scale_before:
-            log.info("budget scale %.2f -> %.2f (%s: idle %s, retained %s)", w.scale_before, w.scale_after,
-                     w.why, _pct(w.idle_share), _pct(w.retained))
-        return scale
-
-    async def _redis_call(self, fn: Any, *args: Any) -> Any:
-        """Run one of the tick's Redis calls (synchronous redis-py: the lease, the snapshot
-        write, housekeeping) on the poller's own call threads, so a poller embedded in an
-        application's event loop (``arun``, the bench) does not stop that loop for a Redis round
-        trip, and waits for it at most ``redis_call_timeout_s``: a call that does not answer by
-        then raises ``redis.exceptions.TimeoutError`` (a failed Redis call) and is left to its
-        thread. The calls of one tick run one after another (the lease keep-alive beside them)."""
-        fut = self._calls.submit(fn, *args)
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(fut), self.redis_call_timeout_s)
-        except asyncio.TimeoutError:
-            fut.cancel()
-            raise RedisTimeoutError(f"{getattr(fn, '__name__', 'redis call')} did not return within "
-                                    f"{self.redis_call_timeout_s:.2f}s") from None
-
     def _housekeep_redis(self) -> Any:
         return self.gate.housekeep(limit=self.housekeep_limit)
 
     async def _housekeep(self, res: TickResult) -> None:
         try:
-            res.housekeep = await self._redis_call(self._housekeep_redis)
+            res.housekeep = await self.calls.call(self._housekeep_redis)
         except Exception as e:  # noqa: BLE001 - Redis down, script errors: next tick retries
             log.warning("housekeep failed: %s: %s", type(e).__name__, e)
 
@@ -818,7 +341,7 @@ class Poller:
                         delay = 0
                     await self._sleep(delay)
             finally:
-                await self._arelease()
+                await self.lease.arelease()
 
     async def _sleep(self, delay: float) -> None:
         """Sleep up to ``delay`` seconds, waking early when :meth:`stop` is called."""

@@ -1,0 +1,70 @@
+"""kvgate/control/budget_reading.py alone, against a real redis-server: the gate's counters and
+the engines' cache counters become the BudgetController's readings."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+import kvgate
+from kvgate import keys
+from kvgate.control.budget_reading import BudgetReader, cache_counters
+from kvgate.control.call_threads import CallThreads
+from kvgate.control.discovery import Endpoint
+from kvgate.control.promparse import EngineMetrics, RankMetrics
+from kvgate.control.scrape import ScrapeResult
+
+pytestmark = pytest.mark.redis_real
+
+
+def scrape(queries: float | None, hits: float | None, healthy: bool = True) -> ScrapeResult:
+    rank = RankMetrics(kind="vllm", dp_rank=None, capacity_tokens=10_000, prefix_cache_queries=queries,
+                       prefix_cache_hits=hits)
+    return ScrapeResult(Endpoint("http://10.0.0.1:8000", healthy=healthy),
+                        metrics=EngineMetrics(kind="vllm", ranks=(rank,)))
+
+
+def test_cache_counters_sum_the_healthy_engines():
+    assert cache_counters([scrape(100, 40), scrape(50, 10)]) == (150, 50)
+    assert cache_counters([scrape(100, 40), scrape(None, None)]) == (None, None)  # one does not export them
+    failed = ScrapeResult(Endpoint("http://10.0.0.2:8000"), error="timed out")
+    assert cache_counters([scrape(100, 40), failed]) == (False, False)  # not comparable this tick
+    sick = ScrapeResult(Endpoint("http://10.0.0.2:8000", healthy=False), error="router reports ...")
+    assert cache_counters([scrape(100, 40), sick]) == (100, 40)
+
+
+@pytest.fixture
+def client(redis_url):
+    c = redis.Redis.from_url(redis_url, socket_timeout=2.0)
+    yield c
+    c.close()
+
+
+def ledger(client, **fields) -> None:
+    client.hset(keys.key("bg", "ledger"), mapping=fields)
+
+
+def test_a_fixed_scale_or_no_admission_measures_nothing(client):
+    for cfg in (kvgate.GateConfig(budget_scale=2.0), kvgate.GateConfig(admission=False)):
+        r = BudgetReader(client, "bg", cfg, CallThreads(bound_s=2.0))
+        assert not r.measures and asyncio.run(r.measure([scrape(100, 40)])) is None
+
+
+def test_readings_grow_the_scale_from_the_published_one_and_an_epoch_resets_it(client):
+    r = BudgetReader(client, "bg", kvgate.GateConfig(), CallThreads(bound_s=2.0))
+    client.hset(keys.key("bg", "snapshot"), "budget_scale", "2.0")
+    ledger(client, epoch=1)
+    assert asyncio.run(r.measure([scrape(0, 0)])) == 2.0  # no script ran yet: the published scale
+    ledger(client, acc_ts=1000, acc_wait_ms=0, acc_idle_ms=0, n_released=0, tok_fresh=0, tok_reusable=0)
+    assert asyncio.run(r.measure([scrape(0, 0)])) == 2.0  # the window's start
+    # 8 releases (MIN_RELEASES) over 10 s, 1 s of it idle with turns waiting: grows by 10 %
+    ledger(client, acc_ts=11_000, acc_wait_ms=5_000, acc_idle_ms=1_000, n_released=8)
+    assert asyncio.run(r.measure([scrape(100, 100)])) == pytest.approx(2.2)
+    failed = ScrapeResult(Endpoint("http://10.0.0.2:8000"), error="timed out")
+    ledger(client, acc_ts=21_000, acc_idle_ms=9_000, n_released=16)
+    assert asyncio.run(r.measure([scrape(100, 100), failed])) == pytest.approx(2.2)  # not read
+    ledger(client, epoch=2)
+    assert asyncio.run(r.measure([scrape(200, 200)])) == 1.0  # other engines: start over from the ledger
+    r.new_term()
+    assert asyncio.run(r.measure([scrape(200, 200)])) == 2.0  # a new term: the scale the gate publishes
