@@ -55,6 +55,10 @@ end
 
 local NOW = now_ms()
 local P = cjson.decode(ARGV[2] or "{}")
+-- a JSON null is an absent parameter (cjson decodes it as a sentinel that is not nil)
+for k, v in pairs(P) do
+  if v == cjson.null then P[k] = nil end
+end
 
 -- integer to string, for HINCRBY / ZADD / HSET arguments (avoids "1.7e+12" forms)
 local function I(n)
