@@ -25,7 +25,10 @@
     "g <ticket>" for FIFO heads granted by the bounded advance.
 ]]
 --@include common
---@include state
+--@include snapshot
+--@include windows
+--@include leases
+--@include waiters
 
 local ticket, session, need, prompt = P.ticket, P.session, math.floor(P.need), math.floor(P.prompt)
 local prev = math.floor(num(P.prev_prompt, 0))

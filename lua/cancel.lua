@@ -11,7 +11,10 @@
   Publishes "g <ticket>" for each FIFO head granted after the removal.
 ]]
 --@include common
---@include state
+--@include snapshot
+--@include windows
+--@include leases
+--@include waiters
 account()
 
 local removed = "none"

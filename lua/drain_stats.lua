@@ -14,7 +14,7 @@
     them has; sessions are forgotten at finish_session, so the work is bounded by the live ones)}
 ]]
 --@include common
---@include state
+--@include snapshot
 
 local flat = redis.call("HGETALL", K.stats)
 local st = {}

@@ -9,7 +9,10 @@
   Publishes "p <ticket>" for the stopped attempt, "g <ticket>" for FIFO grants.
 ]]
 --@include common
---@include state
+--@include snapshot
+--@include windows
+--@include leases
+--@include waiters
 account()
 
 local s = P.session

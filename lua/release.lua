@@ -14,7 +14,10 @@
   Publishes "g <ticket>" for each FIFO head granted.
 ]]
 --@include common
---@include state
+--@include snapshot
+--@include windows
+--@include leases
+--@include waiters
 account()
 
 local l = free_lease(P.ticket)

@@ -16,7 +16,10 @@
   Publishes "e <epoch>" on a bump, "g <ticket>" for FIFO grants.
 ]]
 --@include common
---@include state
+--@include snapshot
+--@include windows
+--@include leases
+--@include waiters
 account()
 
 local cap, usage, nh, hit_sum, hit_n, pst, pl = 0, 0, 0, 0, 0, -1, -1
