@@ -45,7 +45,7 @@ local inherited = nil
 local function out(o, r, extra)
   -- something this call reaped or ended gave room back (SPEC 4: every purge wakes waiters):
   -- grant the heads that fit now, whatever this attempt's own answer
-  if FREED then advance(P.reap, nil) end
+  if FREED then advance(P.reap_batch, nil) end
   if inherited ~= nil and o ~= "probe" then
     local ow = jget(K.waiters, inherited)
     if ow and ow.q then
@@ -66,7 +66,7 @@ if l then
   if l.c == 1 then
     l.c = 0
     jset(K.leases, ticket, l)
-    redis.call("ZADD", K.lease_exp, I(NOW + P.ttl_ms), ticket)
+    redis.call("ZADD", K.lease_exp, I(NOW + P.lease_ttl_ms), ticket)
   end
   return out("admit", l.r, { w = l.a - l.e, t = l.t + 0, held = 1 })
 end
@@ -81,7 +81,7 @@ end
 
 -- bounded reclaim, after this ticket's own lease was looked up: a grant still in the hash is
 -- claimable by its ticket even at its claim deadline
-reap(P.reap)
+reap(P.reap_batch)
 if w and not jget(K.waiters, ticket) then w = nil end
 
 -- a new attempt preempts the older waiting attempt of its session and takes its place; this
@@ -121,7 +121,7 @@ end
 if P.protected == 1 then
   if w then drop_waiter(ticket, w) end
   -- the FIFO lost this turn's record, or the stale attempt's place: the next head may fit now
-  if w or inherited then advance(P.reap, nil) end
+  if w or inherited then advance(P.reap_batch, nil) end
   stat("bypass"); stat("bypass_protected")
   return out("bypass", "protected")
 end
@@ -144,13 +144,13 @@ local function admitted(reason, win_mode)
     drop_waiter(ticket, w)
   end
   local g = grant(ticket, session, need, prompt, prev, reason, enq, win_mode, false)
-  trim(snap, P.reap)
-  advance(P.reap, snap)
+  trim(snap, P.reap_batch)
+  advance(P.reap_batch, snap)
   return out("admit", reason, { w = g.a - g.e, t = g.t })
 end
 
 -- rule 5: the session owns a live ownership window
-if P.res == 1 and live_window(session) then
+if P.residency == 1 and live_window(session) then
   return admitted("reserved_session", "join")
 end
 
@@ -171,18 +171,18 @@ end
 -- not hand places to newcomers (it would only revoke someone else's)
 local win_mode = nil
 -- (with residency alone, only under pressure, as everywhere: opens_window)
-if opens and (P.adm ~= 1 or reserved() + need <= snap.ceiling) then win_mode = "open" end
+if opens and (P.admission ~= 1 or reserved() + need <= snap.ceiling) then win_mode = "open" end
 local probe = P.probe
-local band = P.res == 1 and (P.adm ~= 1 or snap.usage < P.pt)
+local band = P.residency == 1 and (P.admission ~= 1 or snap.usage < P.pressure_threshold)
 
 if band then
   -- rule 7: the probe says this prompt's prefix is resident
-  if probe >= 0 and probe >= P.hit and (P.adm ~= 1 or reserved() + need <= snap.ceiling) then
+  if probe >= 0 and probe >= P.hit_threshold and (P.admission ~= 1 or reserved() + need <= snap.ceiling) then
     return admitted("resident_prefix", win_mode)
   end
   -- rule 8: residency alone fails open when no probe answers (with admission on, a failed
   -- probe falls through to the ledger's answer: wait)
-  if P.adm ~= 1 and probe == -2 then
+  if P.admission ~= 1 and probe == -2 then
     return admitted("prefix_probe_unavailable", win_mode)
   end
 end
@@ -207,13 +207,13 @@ local function aged_out()
   return NOW - math.max(since, last_progress() or since) >= P.max_wait_ms
 end
 if aged_out() then
-  if P.adm == 1 and P.res == 1 then
+  if P.admission == 1 and P.residency == 1 then
     -- idle windows that have waited longest on their tools give way to it (docs/decisions.md)
-    evict_idle(snap, need, P.reap)
+    evict_idle(snap, need, P.reap_batch)
   end
   return admitted("aged", opens and "open" or nil)
 end
-if band and probe == -1 and (P.adm ~= 1 or reserved() + need <= snap.ceiling) then
+if band and probe == -1 and (P.admission ~= 1 or reserved() + need <= snap.ceiling) then
   -- rules 1-6 did not decide and a probe could: ask the caller to probe, then call again
   -- (with admission on, rule 7 needs room in the ledger: without it no answer could admit)
   -- a new attempt learns when it began (t0 on its next call), so that a newer attempt
@@ -236,12 +236,12 @@ elseif w.n ~= need or w.p ~= prompt then
 end
 redis.call("ZADD", K.alive, I(NOW + P.alive_ms), ticket)
 -- let heads that fit go first (bounded); this ticket may be one of them
-advance(P.reap, snap)
+advance(P.reap_batch, snap)
 local g = jget(K.leases, ticket)
 if g then
   g.c = 0
   jset(K.leases, ticket, g)
-  redis.call("ZADD", K.lease_exp, I(NOW + P.ttl_ms), ticket)
+  redis.call("ZADD", K.lease_exp, I(NOW + P.lease_ttl_ms), ticket)
   return out("admit", g.r, { w = g.a - g.e, t = g.t })
 end
 return out("wait", reason, { w = NOW - waiter_since(w), pos = redis.call("ZRANK", K.fifo, ticket) })

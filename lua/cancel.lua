@@ -34,5 +34,5 @@ if free_lease(P.ticket) then
   removed = "lease"
   stat("cancelled")
 end
-advance(P.reap, nil)
+advance(P.reap_batch, nil)
 return cjson.encode({ removed = removed })

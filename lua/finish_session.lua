@@ -37,5 +37,5 @@ if t then
 end
 redis.call("HDEL", K.preempted, s)
 stat("session_finished")
-advance(P.reap, nil)
+advance(P.reap_batch, nil)
 return cjson.encode(res)

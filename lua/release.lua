@@ -21,13 +21,13 @@
 account()
 
 local l = free_lease(P.ticket)
-if l and P.lat_ms ~= nil and P.turn ~= nil then
-  local b = math.min(math.floor(num(P.turn, 0)), 63)
-  statf("lat_s_sum:" .. b, num(P.lat_ms, 0) / 1000.0)
+if l and P.latency_ms ~= nil and P.turn_index ~= nil then
+  local b = math.min(math.floor(num(P.turn_index, 0)), 63)
+  statf("lat_s_sum:" .. b, num(P.latency_ms, 0) / 1000.0)
   stat("lat_n:" .. b)
 end
-reap(P.reap)
+reap(P.reap_batch)
 local snap = snapshot()
-trim(snap, P.reap)
-local g = advance(P.reap, snap)
+trim(snap, P.reap_batch)
+local g = advance(P.reap_batch, snap)
 return cjson.encode({ released = l and 1 or 0, granted = g })

@@ -66,6 +66,6 @@ if nh > 0 then
   if usage > mx then redis.call("HSET", K.stats, "usage_max", tostring(usage)) end
 end
 local snap = snapshot()
-trim(snap, P.reap)
-advance(P.reap, snap)
+trim(snap, P.reap_batch)
+advance(P.reap_batch, snap)
 return cjson.encode({ epoch = epoch(), bumped = bumped, capacity = cap, usage = usage, n_healthy = nh })

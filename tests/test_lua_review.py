@@ -46,11 +46,11 @@ def test_an_engine_set_change_keeps_a_running_turns_charge(backend):
     x = script(g, "acquire", ticket="X", session="x", need=650, probe=0.0, retain=0)
     assert x["o"] == "wait"
     # A's release ends the old window and gives its charge back; X then fits
-    script(g, "release", ticket="A", lat_ms=1.0, turn=0)
+    script(g, "release", ticket="A", latency_ms=1.0, turn_index=0)
     assert not g.redis.hexists(g.key("windows"), "s") or json.loads(g.redis.hget(g.key("windows"), "s"))["ep"] == 1
     assert reserved(g) == running_charge(g)
     assert g.redis.hexists(g.key("leases"), "X")  # granted at A's release
-    script(g, "release", ticket="B", lat_ms=1.0, turn=0)
+    script(g, "release", ticket="B", latency_ms=1.0, turn_index=0)
 
 
 @pytest.mark.parametrize("how", ["probe", "protected"])
@@ -86,5 +86,5 @@ def test_a_release_with_a_null_turn_index_records_no_latency(backend):
     g.write_snapshot(engines(usage=0.1, cap=1000))
     assert script(g, "acquire", ticket="A", session="a", need=10, probe=0.0, retain=0)["o"] == "admit"
     # a JSON null is an absent parameter: no turn index, so no per-turn-index sample
-    assert script(g, "release", ticket="A", lat_ms=5.0, turn=None)["released"] == 1
+    assert script(g, "release", ticket="A", latency_ms=5.0, turn_index=None)["released"] == 1
     assert not [f for f in g.redis.hkeys(g.key("totals")) if f.startswith(b"lat_")]

@@ -94,8 +94,8 @@ local function statf(field, by)
 end
 
 local function publish(msg)
-  if P.ch and P.ch ~= "" then
-    redis.call("PUBLISH", P.ch, msg)
+  if P.channel and P.channel ~= "" then
+    redis.call("PUBLISH", P.channel, msg)
   end
 end
 

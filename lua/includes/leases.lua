@@ -72,10 +72,10 @@ local function grant(ticket, session, need, prompt, prev, reason, enq_ms, win_mo
   else
     charge(need)
   end
-  local exp = NOW + P.ttl_ms
+  local exp = NOW + P.lease_ttl_ms
   if claim then
     l.c = 1
-    exp = NOW + math.min(P.claim_ms, P.ttl_ms)
+    exp = NOW + math.min(P.claim_ms, P.lease_ttl_ms)
   end
   jset(K.leases, ticket, l)
   redis.call("ZADD", K.lease_exp, I(exp), ticket)

@@ -15,14 +15,14 @@ local function snapshot()
   local ts = tonumber(v[1])
   local s = { fresh = false, usage = num(v[2], 0), capacity = num(v[3], 0), ceiling = 0,
     nh = num(v[4], 0), scale = 1 }
-  if ts ~= nil and s.nh > 0 and (NOW - ts) <= P.stale_ms then
+  if ts ~= nil and s.nh > 0 and (NOW - ts) <= P.staleness_ms then
     s.fresh = true
   end
   if P.budget_scale > 0 then
     s.scale = P.budget_scale
   else
     local bts = tonumber(v[6])
-    if bts ~= nil and (NOW - bts) <= P.stale_ms and num(v[5], 0) > 0 then s.scale = tonumber(v[5]) end
+    if bts ~= nil and (NOW - bts) <= P.staleness_ms and num(v[5], 0) > 0 then s.scale = tonumber(v[5]) end
   end
   s.ceiling = math.floor(s.capacity * P.headroom * s.scale)
   return s
@@ -32,10 +32,10 @@ end
 -- whole ceiling fits once nothing else is charged: else it could enter only by aging, and
 -- while other turns flow aging waits for max_wait_hard_s
 local function block_reason(snap, need)
-  if P.adm == 1 then
-    if snap.usage >= P.pt then return "pressure_guard" end
+  if P.admission == 1 then
+    if snap.usage >= P.pressure_threshold then return "pressure_guard" end
     if reserved() + math.min(need, snap.ceiling) > snap.ceiling then return "capacity_exhausted" end
   end
-  if P.res == 1 and snap.usage >= P.hw then return "cold_prefix" end
+  if P.residency == 1 and snap.usage >= P.high_watermark then return "cold_prefix" end
   return nil
 end

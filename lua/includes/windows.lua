@@ -22,12 +22,12 @@ local function window_idle(session, win)
     stat("window_revoked")
     return
   end
-  if P.grace_ms <= 0 then
+  if P.idle_grace_ms <= 0 then
     end_window(session, win)
     return
   end
   win.h = 0
-  win.x = NOW + P.grace_ms
+  win.x = NOW + P.idle_grace_ms
   jset(K.windows, session, win)
   redis.call("ZADD", K.window_exp, I(win.x), session)
 end
@@ -36,7 +36,7 @@ end
 -- the ledger must charge the prefixes of sessions between turns, which the engines' usage
 -- gauges count as free. With residency alone, only under pressure (seed 000).
 local function opens_window(retain, usage)
-  return P.res == 1 and retain == 1 and (P.adm == 1 or usage >= P.hw)
+  return P.residency == 1 and retain == 1 and (P.admission == 1 or usage >= P.high_watermark)
 end
 
 -- the ledger is over-committed (windows grew past the ceiling): revoke windows, bounded.
@@ -45,7 +45,7 @@ end
 -- KV is lost anyway (as in evict_idle below). Then windows a running turn holds, the youngest
 -- first; those end at their lease's release. The oldest window always stays.
 local function trim(snap, limit)
-  if P.adm ~= 1 or P.res ~= 1 or not snap.fresh then return 0 end
+  if P.admission ~= 1 or P.residency ~= 1 or not snap.fresh then return 0 end
   -- hysteresis: windows may grow past the ceiling (rules 5 and 7); only when they outgrow
   -- the budget's share of the engines' whole capacity (ceiling / headroom) are windows
   -- revoked, down to the ceiling. A scale below 1 admits fewer newcomers but never revokes
