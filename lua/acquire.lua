@@ -31,12 +31,13 @@
 --@include waiters
 
 local ticket, session, need, prompt = P.ticket, P.session, math.floor(P.need), math.floor(P.prompt)
-local prev = math.floor(num(P.prev_prompt, 0))
+local prev = math.floor(num(OPT.prev_prompt, 0))
 account()
 
 -- a new attempt may report how long its session was away since its last turn (the typical
 -- tool gap, which kvgate status shows)
-if num(P.gap, -1) >= 0 then note_gap(P.gap) end
+local gap = tonumber(OPT.gap)
+if gap ~= nil and gap >= 0 then note_gap(gap) end
 
 -- the FIFO place of a superseded attempt passes to the attempt that superseded it only while
 -- that attempt is undecided (across its probe round trip); any decision consumes it
@@ -92,7 +93,7 @@ if not w then
   local old = redis.call("HGET", K.session_waiter, session)
   if old and old ~= ticket then
     local ow = jget(K.waiters, old)
-    if ow and ow.st == "w" and P.t0 ~= nil and num(ow.b or ow.e, 0) >= num(P.t0, 0) then
+    if ow and ow.st == "w" and OPT.t0 ~= nil and num(ow.b or ow.e, 0) >= num(OPT.t0, 0) then
       -- this attempt was away probing while a newer attempt of its session enqueued (any
       -- waiter older than this attempt's first call was preempted by that call; one that
       -- began in the same ms counts as newer): it keeps its place, and this one is preempted
@@ -193,14 +194,14 @@ end
 -- head is admitted like any other turn, with a lease, so the ledger keeps counting it.
 -- (Ages count from the attempt's start, not the enqueue: the caller's own deadline does.)
 local reason = blocked or "queued"
-local since = w and waiter_since(w) or num(P.t0, NOW)
+local since = w and waiter_since(w) or num(OPT.t0, NOW)
 local function aged_out()
-  if P.age == 1 then return true end  -- the caller's clock: past max_wait_hard_s
+  if OPT.age == 1 then return true end  -- the caller's clock: past max_wait_hard_s
   -- the head: this waiter, or a new attempt back from its probe round trip that finds the
   -- FIFO empty (its stall counts from when it began, t0)
   if w then
     if redis.call("ZRANGE", K.fifo, 0, 0)[1] ~= ticket then return false end
-  elseif P.t0 == nil or redis.call("ZCARD", K.fifo) > 0 then
+  elseif OPT.t0 == nil or redis.call("ZCARD", K.fifo) > 0 then
     return false
   end
   if NOW - since >= P.max_wait_hard_ms then return true end
@@ -218,12 +219,12 @@ if band and probe == -1 and (P.admission ~= 1 or reserved() + need <= snap.ceili
   -- (with admission on, rule 7 needs room in the ledger: without it no answer could admit)
   -- a new attempt learns when it began (t0 on its next call), so that a newer attempt
   -- enqueued meanwhile is not mistaken for an older one
-  return out("probe", reason, (not w) and { b = num(P.t0, NOW) } or nil)
+  return out("probe", reason, (not w) and { b = num(OPT.t0, NOW) } or nil)
 end
 if not w then
   if seq == nil then seq = redis.call("HINCRBY", K.ledger, "seq", 1) end
   w = { s = session, n = need, p = prompt, v = prev, e = NOW, st = "w", r = P.retain }
-  if P.t0 ~= nil then w.b = num(P.t0, NOW) end  -- began before enqueueing (a probe round trip)
+  if OPT.t0 ~= nil then w.b = num(OPT.t0, NOW) end  -- began before enqueueing (a probe round trip)
   jset(K.waiters, ticket, w)
   redis.call("ZADD", K.fifo, I(seq), ticket)
   redis.call("HSET", K.session_waiter, session, ticket)

@@ -23,7 +23,7 @@ if w then
   drop_waiter(P.ticket, w)
   if w.st == "w" then
     removed = "waiter"
-    if P.degraded == 1 then
+    if OPT.degraded == 1 then
       stat("bypass"); stat("bypass_degraded")
     else
       stat("cancelled")

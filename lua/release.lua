@@ -21,9 +21,9 @@
 account()
 
 local l = free_lease(P.ticket)
-if l and P.latency_ms ~= nil and P.turn_index ~= nil then
-  local b = math.min(math.floor(num(P.turn_index, 0)), 63)
-  statf("lat_s_sum:" .. b, num(P.latency_ms, 0) / 1000.0)
+if l and OPT.latency_ms ~= nil and OPT.turn_index ~= nil then
+  local b = math.min(math.floor(num(OPT.turn_index, 0)), 63)
+  statf("lat_s_sum:" .. b, num(OPT.latency_ms, 0) / 1000.0)
   stat("lat_n:" .. b)
 end
 reap(P.reap_batch)

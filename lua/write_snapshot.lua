@@ -24,7 +24,7 @@ account()
 
 local cap, usage, nh, hit_sum, hit_n, pst, pl = 0, 0, 0, 0, 0, -1, -1
 local ids = {}
-for _, e in ipairs(P.engines or {}) do
+for _, e in ipairs(P.engines) do
   if e.healthy == 1 then
     nh = nh + 1
     cap = cap + math.floor(num(e.cap, 0))
@@ -53,11 +53,11 @@ end
 local hit = -1
 if hit_n > 0 then hit = hit_sum / hit_n end
 redis.call("HSET", K.snapshot, "ts_ms", I(NOW), "capacity", I(cap), "usage", tostring(usage),
-  "n_engines", I(#(P.engines or {})), "n_healthy", I(nh), "healthy_sig", sig,
+  "n_engines", I(#P.engines), "n_healthy", I(nh), "healthy_sig", sig,
   "hit_rate", tostring(hit), "prefill_s_per_token", tostring(pst), "prefill_load", tostring(pl),
-  "engines", cjson.encode(P.engines or {}))
-if P.measured_scale ~= nil then
-  redis.call("HSET", K.snapshot, "budget_scale", tostring(P.measured_scale), "budget_ts_ms", I(NOW))
+  "engines", cjson.encode(P.engines))
+if OPT.measured_scale ~= nil then
+  redis.call("HSET", K.snapshot, "budget_scale", tostring(OPT.measured_scale), "budget_ts_ms", I(NOW))
 end
 if nh > 0 then
   statf("usage_sum", usage)

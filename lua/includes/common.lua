@@ -54,11 +54,21 @@ local function now_ms()
 end
 
 local NOW = now_ms()
-local P = cjson.decode(ARGV[2] or "{}")
--- a JSON null is an absent parameter (cjson decodes it as a sentinel that is not nil)
-for k, v in pairs(P) do
-  if v == cjson.null then P[k] = nil end
+-- the parameters: OPT.<name> is nil when absent; a JSON null is an absent parameter (cjson
+-- decodes it as a sentinel that is not nil)
+local OPT = cjson.decode(ARGV[2] or "{}")
+for k, v in pairs(OPT) do
+  if v == cjson.null then OPT[k] = nil end
 end
+-- P.<name>: a required parameter; reading a missing one is an error naming it (level 2: the
+-- error points at the line that read it)
+local P = setmetatable({}, { __index = function(_, name)
+  local v = OPT[name]
+  if v == nil then
+    error("kvgate: missing required parameter '" .. tostring(name) .. "' in ARGV[2]", 2)
+  end
+  return v
+end })
 
 -- integer to string, for HINCRBY / ZADD / HSET arguments (avoids "1.7e+12" forms)
 local function I(n)
@@ -94,7 +104,7 @@ local function statf(field, by)
 end
 
 local function publish(msg)
-  if P.channel and P.channel ~= "" then
+  if P.channel ~= "" then
     redis.call("PUBLISH", P.channel, msg)
   end
 end
