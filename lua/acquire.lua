@@ -1,28 +1,41 @@
 --[[
-  acquire.lua: decide one attempt (ticket) of one turn: rules 2-9 of the decision table.
-  Called for a new attempt and again for every re-check of a waiting one.
+  acquire.lua: decide one attempt (ticket) of one turn: rules 2-9 of the decision table
+  (rule 1, pass-through, is the client's). Called for a new attempt and again for every
+  re-check of a waiting one; reads top-down as the table: rule 4 first (a held lease), then
+  attempt preemption, rules 2, 3, 5, 6, 7, 8 and 9 (aging, probing, waiting).
 
-  KEYS: see includes/common.lua (the 14 gate keys).
-  ARGV[1] now ms or "" (server TIME); ARGV[2] JSON:
-    ticket (str), session (str), need (int tokens = prompt + capped decode budget),
-    prompt (int tokens: the prompt part of need), prev_prompt (optional int tokens: the prompt
-    of the session's last turn, as the caller saw it; for the budget's re-prefill estimate),
-    protected (0/1), retain (0/1 open an ownership window when admitted under pressure),
-    probe (float): -1 not probed yet, -2 probe unavailable / not configured, else hit ratio 0..1,
-    adm, res, hw, pt, hit (hit_threshold), headroom, budget_scale, stale_ms, ttl_ms, grace_ms,
-    claim_ms, max_wait_ms (aging without progress), max_wait_hard_ms (aging in any case),
-    gap (optional ms: the session's time away since its last turn ended, sent once per
-    attempt; feeds the typical tool gap in the ledger), alive_ms (a waiter's
-    liveness extension), reap (bounded work), ch (channel),
-    age (optional 1: the caller's clock says this attempt waited max_wait_hard_s; age it now),
-    t0 (optional ms: when this attempt began, as a "probe" reply's b told it).
-  Returns JSON {o=outcome, r=reason, w=waited ms, t=charged tokens, ep=epoch, pos=FIFO position,
-    b=when a new attempt began (with "probe": send it back as t0)}
-    o = "admit" | "bypass" | "wait" | "probe" (enqueued; probe and call again) | "preempted"
-    (an aged head is admitted with a lease, reason "aged")
-  Publishes: "p <ticket>" when it preempts an older waiting attempt of the same session
-    (an attempt that began before the waiting one is preempted itself instead),
-    "g <ticket>" for FIFO heads granted by the bounded advance.
+  KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp,
+    windows, window_exp, stats, totals, preempted, window_order
+  ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
+  ARGV[2] JSON object of named parameters:
+    ticket (str, required): this attempt's id (a retry of a turn is a new ticket)
+    session (str, required): the session (agent program) the turn belongs to
+    need (tokens, required): what the turn reserves: its prompt plus its capped decode budget
+    prompt (tokens, required): the prompt part of need
+    protected (0/1, required): 1: protected work, bypasses at once (rule 2)
+    retain (0/1, required): 1: an admission opens (or keeps) the session's ownership window
+      where the features say so (windows.lua opens_window)
+    probe (ratio, required): the residency probe's answer: a hit ratio 0..1; -1 not probed
+      yet (the script may answer "probe"); -2 no probe configured, or it failed
+    prev_prompt (tokens, optional): the prompt of the session's last turn as this client saw
+      it, for the re-prefill estimate (tok_fresh, tok_reusable); absent: none known
+    gap (ms, optional): the session's time away since its last turn ended, sent once per
+      attempt; feeds the typical tool gap (ledger lgap, ngap)
+    t0 (ms, optional): when this attempt began, sent back from a "probe" reply's b: the
+      attempt's age and its place among its session's attempts count from it
+    age (1, optional): the caller's clock says this attempt waited max_wait_hard_s: age it now
+    knobs: admission, residency, high_watermark, pressure_threshold, hit_threshold, headroom,
+      budget_scale, staleness_ms, lease_ttl_ms, claim_ms, idle_grace_ms, alive_ms,
+      max_wait_ms, max_wait_hard_ms, reap_batch, channel
+  Returns: JSON {o=outcome, r=reason, ep=epoch, w=waited ms, t=charged tokens, held=1 (rule 4),
+    pos=FIFO position (wait), b=when a new attempt began (probe: send it back as t0)}
+    o = "admit" | "bypass" | "wait" | "probe" (not enqueued: probe, then call again with the
+    answer) | "preempted" (r "preempted" or "session_finished"); an aged head is admitted with
+    a lease, reason "aged"
+  Publishes: "p <ticket>" when it preempts an older waiting attempt of the same session (an
+    attempt that began before the waiting one is preempted itself instead), "g <ticket>" for
+    FIFO heads granted by the bounded advance.
+  Errors: a required parameter that is missing (includes/common.lua).
 ]]
 --@include common
 --@include snapshot

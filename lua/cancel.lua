@@ -1,14 +1,21 @@
 --[[
   cancel.lua: the caller gave up on an attempt (asyncio cancel, timeout, abort event).
   Atomically removes its waiter, or releases the lease granted to it concurrently, so a
-  cancel racing a grant never leaks a reservation.
+  cancel racing a grant never leaks a reservation; then the FIFO advances.
 
-  KEYS: the 14 gate keys (includes/common.lua).
-  ARGV[1] now ms or ""; ARGV[2] JSON: ticket (str), degraded (0/1: the caller's own clock
-    gave up on the wait although the scripts' clock did not age it, a clock fault; counted as
-    a degraded bypass, not a cancel), plus the knobs of release.lua.
-  Returns JSON {removed="waiter"|"lease"|"none"}
-  Publishes "g <ticket>" for each FIFO head granted after the removal.
+  KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp, windows,
+    window_exp, stats, totals, window_order
+  ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
+  ARGV[2] JSON object of named parameters:
+    ticket (str, required): the attempt given up
+    degraded (0/1, optional): 1: the caller's own clock gave up on the wait although the
+      scripts' clock did not age it (a clock fault): counted as a degraded bypass, not a
+      cancel; absent: a cancel
+    knobs: admission, residency, high_watermark, pressure_threshold, headroom,
+      budget_scale, staleness_ms, lease_ttl_ms, claim_ms, idle_grace_ms, reap_batch, channel
+  Returns: JSON {removed="waiter"|"lease"|"none"}
+  Publishes: "g <ticket>" for each FIFO head granted after the removal.
+  Errors: a required parameter that is missing (includes/common.lua).
 ]]
 --@include common
 --@include snapshot

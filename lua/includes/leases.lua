@@ -1,6 +1,11 @@
 --[[
-  leases.lua: leases: grant (charging the ledger or the session's window), free, and the
-  reap of expired ones.
+  leases.lua: the lease record (leases, lease_exp): grant (charged to the ledger, or to the
+  session's window it opens or joins), free (a window turns idle, or the lease's own charge
+  goes back), and the reap of expired ones. The record's fields: docs/keys.md#lease; its
+  states: docs/state-machines.md#lease.
+
+  KEYS used: leases, lease_exp, ledger, windows, window_exp, window_order
+  Knobs read: lease_ttl_ms, claim_ms (grant)
 ]]
 --@include common
 --@include windows

@@ -1,6 +1,11 @@
 --[[
-  snapshot.lua: the latest capacity snapshot (freshness, usage, the ceiling) and the fit test
-  of rule 6.
+  snapshot.lua: the latest capacity snapshot as the rules read it (fresh, usage, capacity, the
+  budget scale in use and the ceiling) and the fit test of rule 6 (block_reason). Reads the
+  snapshot hash only; the poller writes it (write_snapshot.lua).
+
+  KEYS used: snapshot
+  Knobs read: staleness_ms, budget_scale, headroom (snapshot); admission, pressure_threshold,
+    residency, high_watermark (block_reason)
 ]]
 --@include common
 

@@ -1,6 +1,13 @@
 --[[
-  waiters.lua: the global FIFO and its waiter records: drop, the reap of dead waiters, the
-  bounded reap of every record, and the FIFO advance (grant the heads that fit).
+  waiters.lua: the global FIFO and its waiter records (fifo, waiters, alive, session_waiter):
+  when a wait began, dropping a record, the reap of dead waiters, the bounded reap of all
+  three records (leases, windows, waiters), and the FIFO advance that grants the heads that
+  fit, oldest first. The record's fields: docs/keys.md#waiter; its states:
+  docs/state-machines.md#waiter.
+
+  KEYS used: fifo, waiters, alive, session_waiter
+  Knobs read: none (the fit test and the grant read theirs: snapshot.lua, windows.lua,
+    leases.lua)
 ]]
 --@include common
 --@include snapshot

@@ -1,7 +1,14 @@
 --[[
-  windows.lua: ownership windows: opening (does an admission open one), idle grace, end,
-  the lazy check of a session's window, the trim of an over-committed ledger, the eviction of
-  idle windows for an aged admission, and the reap of expired ones.
+  windows.lua: the ownership window record (windows, window_exp, window_order): whether an
+  admission opens one, its idle grace at release, its end (the ledger gets its charge back),
+  the lazy check of a session's window (rule 5), the trim of an over-committed ledger, the
+  eviction of idle windows for an aged admission, and the reap of expired ones. A lease opens
+  or joins a window in leases.lua (grant). The record's fields: docs/keys.md#window; its
+  states: docs/state-machines.md#window.
+
+  KEYS used: windows, window_exp, window_order
+  Knobs read: idle_grace_ms (window_idle); residency, admission (opens_window, trim);
+    high_watermark (opens_window); headroom (trim)
 ]]
 --@include common
 
