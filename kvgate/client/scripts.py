@@ -3,7 +3,9 @@
 The scripts live in ``lua/`` at the project root and ship inside the wheel as
 ``kvgate/lua`` (hatch force-include). Each script file may pull shared helpers from
 ``lua/includes/`` with a line ``--@include name``; the loader inlines each include once,
-in order, so a script is one self-contained chunk that Redis caches by SHA.
+after the includes it names itself (dependency order; a cycle is an error), so a script is
+one self-contained chunk that Redis caches by SHA. Each file's header block says what it
+reads (tests/test_lua_headers.py checks it).
 
 Scripts are called through redis-py's ``Script`` objects: EVALSHA first, and on NOSCRIPT
 (after ``SCRIPT FLUSH`` or a Redis restart) the script is loaded again transparently.
