@@ -111,6 +111,21 @@ local function jset(key, field, tbl)
   redis.call("HSET", key, field, cjson.encode(tbl))
 end
 
+-- the members of sorted set `zset` whose deadline (score, ms) has passed, at most `limit`:
+-- `ends(member)` ends the record behind each and says whether there was one to end; a member
+-- with none is a stale entry and leaves the set. Returns how many records ended.
+local function reap_expired(zset, limit, ends)
+  local n = 0
+  for _, m in ipairs(redis.call("ZRANGEBYSCORE", zset, "-inf", I(NOW), "LIMIT", 0, limit)) do
+    if ends(m) then
+      n = n + 1
+    else
+      redis.call("ZREM", zset, m)
+    end
+  end
+  return n
+end
+
 -- count an event in the step window and in the cumulative totals
 local function stat(field, by)
   by = by or 1

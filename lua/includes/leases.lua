@@ -99,14 +99,9 @@ end
 -- bounded reclaim of expired leases (their holders died, or a FIFO grant went unclaimed);
 -- returns how many
 local function reap_leases(limit)
-  local n = 0
-  for _, t in ipairs(redis.call("ZRANGEBYSCORE", K.lease_exp, "-inf", I(NOW), "LIMIT", 0, limit)) do
-    if free_lease(t) then
-      stat("lease_expired")
-      n = n + 1
-    else
-      redis.call("ZREM", K.lease_exp, t)
-    end
-  end
-  return n
+  return reap_expired(K.lease_exp, limit, function(t)
+    if not free_lease(t) then return false end
+    stat("lease_expired")
+    return true
+  end)
 end

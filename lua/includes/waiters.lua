@@ -32,14 +32,12 @@ end
 -- bounded drop of waiter records past their liveness deadline (their process died or gave
 -- up without a cancel); returns how many
 local function reap_waiters(limit)
-  local n = 0
-  for _, t in ipairs(redis.call("ZRANGEBYSCORE", K.alive, "-inf", I(NOW), "LIMIT", 0, limit)) do
+  return reap_expired(K.alive, limit, function(t)
     local w = jget(K.waiters, t)
-    drop_waiter(t, w)
+    drop_waiter(t, w)  -- also out of alive, with or without a record
     if w and w.st == "w" then stat("dead_waiter") end
-    n = n + 1
-  end
-  return n
+    return true
+  end)
 end
 
 -- bounded reclaim of all three (leases, then idle windows, then dead waiters), at most

@@ -135,16 +135,11 @@ end
 
 -- bounded end of idle windows whose grace expired; returns how many
 local function reap_windows(limit)
-  local n = 0
-  for _, s in ipairs(redis.call("ZRANGEBYSCORE", K.window_exp, "-inf", I(NOW), "LIMIT", 0, limit)) do
+  return reap_expired(K.window_exp, limit, function(s)
     local win = jget(K.windows, s)
-    if win and win.h == 0 and win.x <= NOW then
-      end_window(s, win)
-      stat("window_expired")
-      n = n + 1
-    else
-      redis.call("ZREM", K.window_exp, s)
-    end
-  end
-  return n
+    if not (win and win.h == 0 and win.x <= NOW) then return false end
+    end_window(s, win)
+    stat("window_expired")
+    return true
+  end)
 end
