@@ -1,39 +1,56 @@
 --[[
-  acquire.lua: decide one attempt (ticket) of one turn: rules 2-9 of the decision table.
-  Called for a new attempt and again for every re-check of a waiting one.
+  acquire.lua: decide one attempt (ticket) of one turn: rules 2-9 of the decision table
+  (rule 1, pass-through, is the client's). Called for a new attempt and again for every
+  re-check of a waiting one; reads top-down as the table: rule 4 first (a held lease), then
+  attempt preemption, rules 2, 3, 5, 6, 7, 8 and 9 (aging, probing, waiting).
 
-  KEYS: see includes/common.lua (the 14 gate keys).
-  ARGV[1] now ms or "" (server TIME); ARGV[2] JSON:
-    ticket (str), session (str), need (int tokens = prompt + capped decode budget),
-    prompt (int tokens: the prompt part of need), prev_prompt (optional int tokens: the prompt
-    of the session's last turn, as the caller saw it; for the budget's re-prefill estimate),
-    protected (0/1), retain (0/1 open an ownership window when admitted under pressure),
-    probe (float): -1 not probed yet, -2 probe unavailable / not configured, else hit ratio 0..1,
-    adm, res, hw, pt, hit (hit_threshold), headroom, budget_scale, stale_ms, ttl_ms, grace_ms,
-    claim_ms, max_wait_ms (aging without progress), max_wait_hard_ms (aging in any case),
-    gap (optional ms: the session's time away since its last turn ended, sent once per
-    attempt; feeds the typical tool gap in the ledger), alive_ms (a waiter's
-    liveness extension), reap (bounded work), ch (channel),
-    age (optional 1: the caller's clock says this attempt waited max_wait_hard_s; age it now),
-    t0 (optional ms: when this attempt began, as a "probe" reply's b told it).
-  Returns JSON {o=outcome, r=reason, w=waited ms, t=charged tokens, ep=epoch, pos=FIFO position,
-    b=when a new attempt began (with "probe": send it back as t0)}
-    o = "admit" | "bypass" | "wait" | "probe" (enqueued; probe and call again) | "preempted"
-    (an aged head is admitted with a lease, reason "aged")
-  Publishes: "p <ticket>" when it preempts an older waiting attempt of the same session
-    (an attempt that began before the waiting one is preempted itself instead),
-    "g <ticket>" for FIFO heads granted by the bounded advance.
+  KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp,
+    windows, window_exp, stats, totals, preempted, window_order
+  ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
+  ARGV[2] JSON object of named parameters:
+    ticket (str, required): this attempt's id (a retry of a turn is a new ticket)
+    session (str, required): the session (agent program) the turn belongs to
+    need (tokens, required): what the turn reserves: its prompt plus its capped decode budget
+    prompt (tokens, required): the prompt part of need
+    protected (0/1, required): 1: protected work, bypasses at once (rule 2)
+    retain (0/1, required): 1: an admission opens (or keeps) the session's ownership window
+      where the features say so (windows.lua opens_window)
+    probe (ratio, required): the residency probe's answer: a hit ratio 0..1; -1 not probed
+      yet (the script may answer "probe"); -2 no probe configured, or it failed
+    prev_prompt (tokens, optional): the prompt of the session's last turn as this client saw
+      it, for the re-prefill estimate (tok_fresh, tok_reusable); absent: none known
+    gap (ms, optional): the session's time away since its last turn ended, sent once per
+      attempt; feeds the typical tool gap (ledger lgap, ngap)
+    t0 (ms, optional): when this attempt began, sent back from a "probe" reply's b: the
+      attempt's age and its place among its session's attempts count from it
+    age (1, optional): the caller's clock says this attempt waited max_wait_hard_s: age it now
+    knobs: admission, residency, high_watermark, pressure_threshold, hit_threshold, headroom,
+      budget_scale, staleness_ms, lease_ttl_ms, claim_ms, idle_grace_ms, alive_ms,
+      max_wait_ms, max_wait_hard_ms, reap_batch, channel
+  Returns: JSON {o=outcome, r=reason, ep=epoch, w=waited ms, t=charged tokens, held=1 (rule 4),
+    pos=FIFO position (wait), b=when a new attempt began (probe: send it back as t0)}
+    o = "admit" | "bypass" | "wait" | "probe" (not enqueued: probe, then call again with the
+    answer) | "preempted" (r "preempted" or "session_finished"); an aged head is admitted with
+    a lease, reason "aged"
+  Publishes: "p <ticket>" when it preempts an older waiting attempt of the same session (an
+    attempt that began before the waiting one is preempted itself instead), "g <ticket>" for
+    FIFO heads granted by the bounded advance.
+  Errors: a required parameter that is missing (includes/common.lua).
 ]]
 --@include common
---@include state
+--@include snapshot
+--@include windows
+--@include leases
+--@include waiters
 
 local ticket, session, need, prompt = P.ticket, P.session, math.floor(P.need), math.floor(P.prompt)
-local prev = math.floor(num(P.prev_prompt, 0))
+local prev = math.floor(num(OPT.prev_prompt, 0))
 account()
 
 -- a new attempt may report how long its session was away since its last turn (the typical
 -- tool gap, which kvgate status shows)
-if num(P.gap, -1) >= 0 then note_gap(P.gap) end
+local gap = tonumber(OPT.gap)
+if gap ~= nil and gap >= 0 then note_gap(gap) end
 
 -- the FIFO place of a superseded attempt passes to the attempt that superseded it only while
 -- that attempt is undecided (across its probe round trip); any decision consumes it
@@ -42,7 +59,7 @@ local inherited = nil
 local function out(o, r, extra)
   -- something this call reaped or ended gave room back (SPEC 4: every purge wakes waiters):
   -- grant the heads that fit now, whatever this attempt's own answer
-  if FREED then advance(P.reap, nil) end
+  if FREED then advance(P.reap_batch, nil) end
   if inherited ~= nil and o ~= "probe" then
     local ow = jget(K.waiters, inherited)
     if ow and ow.q then
@@ -63,7 +80,7 @@ if l then
   if l.c == 1 then
     l.c = 0
     jset(K.leases, ticket, l)
-    redis.call("ZADD", K.lease_exp, I(NOW + P.ttl_ms), ticket)
+    redis.call("ZADD", K.lease_exp, I(NOW + P.lease_ttl_ms), ticket)
   end
   return out("admit", l.r, { w = l.a - l.e, t = l.t + 0, held = 1 })
 end
@@ -78,7 +95,7 @@ end
 
 -- bounded reclaim, after this ticket's own lease was looked up: a grant still in the hash is
 -- claimable by its ticket even at its claim deadline
-reap(P.reap)
+reap(P.reap_batch)
 if w and not jget(K.waiters, ticket) then w = nil end
 
 -- a new attempt preempts the older waiting attempt of its session and takes its place; this
@@ -89,7 +106,7 @@ if not w then
   local old = redis.call("HGET", K.session_waiter, session)
   if old and old ~= ticket then
     local ow = jget(K.waiters, old)
-    if ow and ow.st == "w" and P.t0 ~= nil and num(ow.b or ow.e, 0) >= num(P.t0, 0) then
+    if ow and ow.st == "w" and OPT.t0 ~= nil and num(ow.b or ow.e, 0) >= num(OPT.t0, 0) then
       -- this attempt was away probing while a newer attempt of its session enqueued (any
       -- waiter older than this attempt's first call was preempted by that call; one that
       -- began in the same ms counts as newer): it keeps its place, and this one is preempted
@@ -118,7 +135,7 @@ end
 if P.protected == 1 then
   if w then drop_waiter(ticket, w) end
   -- the FIFO lost this turn's record, or the stale attempt's place: the next head may fit now
-  if w or inherited then advance(P.reap, nil) end
+  if w or inherited then advance(P.reap_batch, nil) end
   stat("bypass"); stat("bypass_protected")
   return out("bypass", "protected")
 end
@@ -141,13 +158,13 @@ local function admitted(reason, win_mode)
     drop_waiter(ticket, w)
   end
   local g = grant(ticket, session, need, prompt, prev, reason, enq, win_mode, false)
-  trim(snap, P.reap)
-  advance(P.reap, snap)
+  trim(snap, P.reap_batch)
+  advance(P.reap_batch, snap)
   return out("admit", reason, { w = g.a - g.e, t = g.t })
 end
 
 -- rule 5: the session owns a live ownership window
-if P.res == 1 and live_window(session) then
+if P.residency == 1 and live_window(session) then
   return admitted("reserved_session", "join")
 end
 
@@ -168,18 +185,18 @@ end
 -- not hand places to newcomers (it would only revoke someone else's)
 local win_mode = nil
 -- (with residency alone, only under pressure, as everywhere: opens_window)
-if opens and (P.adm ~= 1 or reserved() + need <= snap.ceiling) then win_mode = "open" end
+if opens and (P.admission ~= 1 or reserved() + need <= snap.ceiling) then win_mode = "open" end
 local probe = P.probe
-local band = P.res == 1 and (P.adm ~= 1 or snap.usage < P.pt)
+local band = P.residency == 1 and (P.admission ~= 1 or snap.usage < P.pressure_threshold)
 
 if band then
   -- rule 7: the probe says this prompt's prefix is resident
-  if probe >= 0 and probe >= P.hit and (P.adm ~= 1 or reserved() + need <= snap.ceiling) then
+  if probe >= 0 and probe >= P.hit_threshold and (P.admission ~= 1 or reserved() + need <= snap.ceiling) then
     return admitted("resident_prefix", win_mode)
   end
   -- rule 8: residency alone fails open when no probe answers (with admission on, a failed
   -- probe falls through to the ledger's answer: wait)
-  if P.adm ~= 1 and probe == -2 then
+  if P.admission ~= 1 and probe == -2 then
     return admitted("prefix_probe_unavailable", win_mode)
   end
 end
@@ -190,37 +207,37 @@ end
 -- head is admitted like any other turn, with a lease, so the ledger keeps counting it.
 -- (Ages count from the attempt's start, not the enqueue: the caller's own deadline does.)
 local reason = blocked or "queued"
-local since = w and waiter_since(w) or num(P.t0, NOW)
+local since = w and waiter_since(w) or num(OPT.t0, NOW)
 local function aged_out()
-  if P.age == 1 then return true end  -- the caller's clock: past max_wait_hard_s
+  if OPT.age == 1 then return true end  -- the caller's clock: past max_wait_hard_s
   -- the head: this waiter, or a new attempt back from its probe round trip that finds the
   -- FIFO empty (its stall counts from when it began, t0)
   if w then
     if redis.call("ZRANGE", K.fifo, 0, 0)[1] ~= ticket then return false end
-  elseif P.t0 == nil or redis.call("ZCARD", K.fifo) > 0 then
+  elseif OPT.t0 == nil or redis.call("ZCARD", K.fifo) > 0 then
     return false
   end
   if NOW - since >= P.max_wait_hard_ms then return true end
   return NOW - math.max(since, last_progress() or since) >= P.max_wait_ms
 end
 if aged_out() then
-  if P.adm == 1 and P.res == 1 then
+  if P.admission == 1 and P.residency == 1 then
     -- idle windows that have waited longest on their tools give way to it (docs/decisions.md)
-    evict_idle(snap, need, P.reap)
+    evict_idle(snap, need, P.reap_batch)
   end
   return admitted("aged", opens and "open" or nil)
 end
-if band and probe == -1 and (P.adm ~= 1 or reserved() + need <= snap.ceiling) then
+if band and probe == -1 and (P.admission ~= 1 or reserved() + need <= snap.ceiling) then
   -- rules 1-6 did not decide and a probe could: ask the caller to probe, then call again
   -- (with admission on, rule 7 needs room in the ledger: without it no answer could admit)
   -- a new attempt learns when it began (t0 on its next call), so that a newer attempt
   -- enqueued meanwhile is not mistaken for an older one
-  return out("probe", reason, (not w) and { b = num(P.t0, NOW) } or nil)
+  return out("probe", reason, (not w) and { b = num(OPT.t0, NOW) } or nil)
 end
 if not w then
   if seq == nil then seq = redis.call("HINCRBY", K.ledger, "seq", 1) end
   w = { s = session, n = need, p = prompt, v = prev, e = NOW, st = "w", r = P.retain }
-  if P.t0 ~= nil then w.b = num(P.t0, NOW) end  -- began before enqueueing (a probe round trip)
+  if OPT.t0 ~= nil then w.b = num(OPT.t0, NOW) end  -- began before enqueueing (a probe round trip)
   jset(K.waiters, ticket, w)
   redis.call("ZADD", K.fifo, I(seq), ticket)
   redis.call("HSET", K.session_waiter, session, ticket)
@@ -233,12 +250,12 @@ elseif w.n ~= need or w.p ~= prompt then
 end
 redis.call("ZADD", K.alive, I(NOW + P.alive_ms), ticket)
 -- let heads that fit go first (bounded); this ticket may be one of them
-advance(P.reap, snap)
+advance(P.reap_batch, snap)
 local g = jget(K.leases, ticket)
 if g then
   g.c = 0
   jset(K.leases, ticket, g)
-  redis.call("ZADD", K.lease_exp, I(NOW + P.ttl_ms), ticket)
+  redis.call("ZADD", K.lease_exp, I(NOW + P.lease_ttl_ms), ticket)
   return out("admit", g.r, { w = g.a - g.e, t = g.t })
 end
 return out("wait", reason, { w = NOW - waiter_since(w), pos = redis.call("ZRANK", K.fifo, ticket) })

@@ -3,10 +3,13 @@
   engines without the poller noticing). Windows of older epochs stop counting as resident
   and are ended lazily when their session next looks.
 
-  KEYS: the 14 gate keys (includes/common.lua).
-  ARGV[1] now ms or ""; ARGV[2] JSON: ch (channel).
-  Returns JSON {epoch=n}
-  Publishes "e <epoch>".
+  KEYS used: ledger, stats, totals
+  ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
+  ARGV[2] JSON object of named parameters:
+    knobs: channel
+  Returns: JSON {epoch=n}
+  Publishes: "e <epoch>".
+  Errors: a required parameter that is missing (includes/common.lua).
 ]]
 --@include common
 

@@ -2,19 +2,22 @@
   drain_stats.lua: read and reset the step window of counters (one rollout step), together
   with the ledger's current state, atomically.
 
-  KEYS: the 14 gate keys (includes/common.lua).
-  ARGV[1] now ms or ""; ARGV[2] JSON: drain (0/1 reset the window), plus the knobs of
-    release.lua (the ceiling is computed as acquire.lua computes it).
-  Returns JSON {stats={field=value...}, reserved, epoch, leases, waiting, windows,
-    capacity, ceiling (tokens), budget_scale (the scale in use, docs/budget.md),
-    usage, hit_rate, snapshot_age_ms (-1 when none), n_healthy,
-    prefill_s_per_token, prefill_load (-1 when not measured),
-    tool_gap_s (the typical time sessions spend between turns; -1 before 8 samples),
-    preempted_sessions, preempted_max (sessions with preempted attempts, and the most one of
-    them has; sessions are forgotten at finish_session, so the work is bounded by the live ones)}
+  KEYS used: ledger, snapshot, fifo, lease_exp, windows, stats, preempted
+  ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
+  ARGV[2] JSON object of named parameters:
+    drain (0/1, required): 1: reset the step window; 0: a peek
+    knobs: staleness_ms, budget_scale, headroom (the ceiling, computed as acquire.lua does)
+  Returns: JSON {stats={field=value...}, reserved, epoch, leases, waiting, windows,
+    capacity, ceiling (tokens), budget_scale (the scale in use), usage, hit_rate,
+    snapshot_age_ms (-1 when none), n_healthy, now, prefill_s_per_token, prefill_load
+    (-1 when not measured), tool_gap_s (the typical time sessions spend between turns; -1
+    before 8 samples), preempted_sessions, preempted_max (sessions with preempted attempts,
+    and the most one of them has; over at most 1,024 sessions, sampled beyond)}
+  Publishes: nothing.
+  Errors: a required parameter that is missing (includes/common.lua).
 ]]
 --@include common
---@include state
+--@include snapshot
 
 local flat = redis.call("HGETALL", K.stats)
 local st = {}

@@ -1,15 +1,25 @@
 --[[
-  finish_session.lua: a session is done. Ends its ownership window (returning the
-  window's charge), stops its waiting attempt (it raises Preempted with reason
-  "session_finished"), forgets its preemption count, and advances the FIFO.
+  finish_session.lua: a session is done. Ends its ownership window (returning the window's
+  charge), stops its waiting attempt (it raises Preempted with reason "session_finished"),
+  forgets its preemption count, and advances the FIFO.
 
-  KEYS: the 14 gate keys (includes/common.lua).
-  ARGV[1] now ms or ""; ARGV[2] JSON: session (str), plus the knobs of release.lua.
-  Returns JSON {window=0|1, freed=<tokens returned>, stopped=<ticket or "">, num_preempted=<int>}
-  Publishes "p <ticket>" for the stopped attempt, "g <ticket>" for FIFO grants.
+  KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp,
+    windows, window_exp, stats, totals, preempted, window_order
+  ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
+  ARGV[2] JSON object of named parameters:
+    session (str, required): the session that is done
+    knobs: admission, residency, high_watermark, pressure_threshold, headroom,
+      budget_scale, staleness_ms, lease_ttl_ms, claim_ms, reap_batch, channel
+  Returns: JSON {window=0|1, freed=<tokens returned>, stopped=<ticket or "">,
+    num_preempted=<its preempted attempts>}
+  Publishes: "p <ticket>" for the stopped attempt, "g <ticket>" for FIFO grants.
+  Errors: a required parameter that is missing (includes/common.lua).
 ]]
 --@include common
---@include state
+--@include snapshot
+--@include windows
+--@include leases
+--@include waiters
 account()
 
 local s = P.session
@@ -34,5 +44,5 @@ if t then
 end
 redis.call("HDEL", K.preempted, s)
 stat("session_finished")
-advance(P.reap, nil)
+advance(P.reap_batch, nil)
 return cjson.encode(res)

@@ -1,30 +1,39 @@
 --[[
   release.lua: an admitted turn is done; give back its lease (idempotent per ticket).
-  A lease held under an ownership window turns the window idle for idle_grace (still
+  A lease held under an ownership window turns the window idle for the idle grace (still
   charged; a window revoked while held ends instead); any other lease returns its tokens to
-  the ledger. Then an over-committed ledger is trimmed (idle windows longest idle first) and the
-  FIFO advances.
+  the ledger. Then a bounded reap, the trim of an over-committed ledger (idle windows longest
+  idle first), and the FIFO advances.
 
-  KEYS: the 14 gate keys (includes/common.lua).
-  ARGV[1] now ms or ""; ARGV[2] JSON:
-    ticket (str), lat_ms (float, turn latency for the per-turn-index signal, optional),
-    turn (int turn index, optional), plus the knobs adm, res, hw, pt, headroom, stale_ms,
-    ttl_ms, grace_ms, claim_ms, reap, ch.
-  Returns JSON {released=0|1, granted=<FIFO grants made>}
-  Publishes "g <ticket>" for each FIFO head granted.
+  KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp, windows,
+    window_exp, stats, totals, window_order
+  ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
+  ARGV[2] JSON object of named parameters:
+    ticket (str, required): the attempt whose lease is given back
+    latency_ms (ms, optional): the turn's latency, for the per-turn-index signal
+      (stats lat_s_sum:<turn>, lat_n:<turn>); recorded only with turn_index
+    turn_index (int, optional): the turn's index in its session (indices past 63 count as 63)
+    knobs: admission, residency, high_watermark, pressure_threshold, headroom,
+      budget_scale, staleness_ms, lease_ttl_ms, claim_ms, idle_grace_ms, reap_batch, channel
+  Returns: JSON {released=0|1, granted=<FIFO grants made>}
+  Publishes: "g <ticket>" for each FIFO head granted.
+  Errors: a required parameter that is missing (includes/common.lua).
 ]]
 --@include common
---@include state
+--@include snapshot
+--@include windows
+--@include leases
+--@include waiters
 account()
 
 local l = free_lease(P.ticket)
-if l and P.lat_ms ~= nil and P.turn ~= nil then
-  local b = math.min(math.floor(num(P.turn, 0)), 63)
-  statf("lat_s_sum:" .. b, num(P.lat_ms, 0) / 1000.0)
+if l and OPT.latency_ms ~= nil and OPT.turn_index ~= nil then
+  local b = math.min(math.floor(num(OPT.turn_index, 0)), 63)
+  statf("lat_s_sum:" .. b, num(OPT.latency_ms, 0) / 1000.0)
   stat("lat_n:" .. b)
 end
-reap(P.reap)
+reap(P.reap_batch)
 local snap = snapshot()
-trim(snap, P.reap)
-local g = advance(P.reap, snap)
+trim(snap, P.reap_batch)
+local g = advance(P.reap_batch, snap)
 return cjson.encode({ released = l and 1 or 0, granted = g })

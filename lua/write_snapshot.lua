@@ -2,26 +2,35 @@
   write_snapshot.lua: store the engines' capacity snapshot atomically. Capacity is the sum
   of healthy engines' KV tokens, usage the worst healthy engine's KV usage. A change in the
   set of healthy engines bumps the epoch. Samples usage into the step's window
-  (kv_token_usage mean and max), then advances the FIFO (fresh usage may admit heads).
+  (kv_token_usage mean and max), then trims and advances the FIFO (fresh usage may admit
+  heads).
 
-  KEYS: the 14 gate keys (includes/common.lua).
-  ARGV[1] now ms or ""; ARGV[2] JSON: engines = [{id (str), cap (int tokens),
-    used (int tokens), usage (float 0..1), healthy (0/1), hit (float or -1), url (str),
-    kind (str), pst (prefill seconds per uncached token, or -1), pl (prefill load: prefill
-    seconds per wall second, or -1)}], measured_scale (optional: the budget scale the poller's
-    controller measured, docs/budget.md; stored with the time it was written), plus the knobs
-    of release.lua. The snapshot's prefill_s_per_token is the slowest healthy engine's, its
-    prefill_load the busiest one's (-1: none measured).
-  Returns JSON {epoch=n, bumped=0|1, capacity=tokens, usage=float, n_healthy=n}
-  Publishes "e <epoch>" on a bump, "g <ticket>" for FIFO grants.
+  KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp, windows,
+    window_exp, stats, totals, window_order
+  ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
+  ARGV[2] JSON object of named parameters:
+    engines (JSON list, required): one entry per engine, stored as it is in the snapshot's
+      engines field (its fields: docs/keys.md#engine); the snapshot's prefill_s_per_token
+      is the slowest healthy engine's pst, its prefill_load the busiest one's pl (-1: none
+      measured)
+    measured_scale (factor, optional): the budget scale the poller's controller measured,
+      stored with the time it was written; absent: the stored one is left as it is
+    knobs: admission, residency, high_watermark, pressure_threshold, headroom,
+      budget_scale, staleness_ms, lease_ttl_ms, claim_ms, reap_batch, channel
+  Returns: JSON {epoch=n, bumped=0|1, capacity=tokens, usage=float, n_healthy=n}
+  Publishes: "e <epoch>" on a bump, "g <ticket>" for FIFO grants.
+  Errors: a required parameter that is missing (includes/common.lua).
 ]]
 --@include common
---@include state
+--@include snapshot
+--@include windows
+--@include leases
+--@include waiters
 account()
 
 local cap, usage, nh, hit_sum, hit_n, pst, pl = 0, 0, 0, 0, 0, -1, -1
 local ids = {}
-for _, e in ipairs(P.engines or {}) do
+for _, e in ipairs(P.engines) do
   if e.healthy == 1 then
     nh = nh + 1
     cap = cap + math.floor(num(e.cap, 0))
@@ -50,11 +59,11 @@ end
 local hit = -1
 if hit_n > 0 then hit = hit_sum / hit_n end
 redis.call("HSET", K.snapshot, "ts_ms", I(NOW), "capacity", I(cap), "usage", tostring(usage),
-  "n_engines", I(#(P.engines or {})), "n_healthy", I(nh), "healthy_sig", sig,
+  "n_engines", I(#P.engines), "n_healthy", I(nh), "healthy_sig", sig,
   "hit_rate", tostring(hit), "prefill_s_per_token", tostring(pst), "prefill_load", tostring(pl),
-  "engines", cjson.encode(P.engines or {}))
-if P.measured_scale ~= nil then
-  redis.call("HSET", K.snapshot, "budget_scale", tostring(P.measured_scale), "budget_ts_ms", I(NOW))
+  "engines", cjson.encode(P.engines))
+if OPT.measured_scale ~= nil then
+  redis.call("HSET", K.snapshot, "budget_scale", tostring(OPT.measured_scale), "budget_ts_ms", I(NOW))
 end
 if nh > 0 then
   statf("usage_sum", usage)
@@ -63,6 +72,6 @@ if nh > 0 then
   if usage > mx then redis.call("HSET", K.stats, "usage_max", tostring(usage)) end
 end
 local snap = snapshot()
-trim(snap, P.reap)
-advance(P.reap, snap)
+trim(snap, P.reap_batch)
+advance(P.reap_batch, snap)
 return cjson.encode({ epoch = epoch(), bumped = bumped, capacity = cap, usage = usage, n_healthy = nh })

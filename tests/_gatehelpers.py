@@ -32,8 +32,13 @@ def make_client(backend: str, url: str | None):
 
 
 def script(gate: kvgate.Gate, name: str, **params) -> dict:
-    """Call one script directly (one atomic transition). An acquire without ``prompt`` is a
-    turn whose whole need is its prompt (the client always sends both)."""
-    if name == "acquire" and "need" in params:
-        params.setdefault("prompt", params["need"])
+    """Call one script directly (one atomic transition), with the gate's knobs. The client
+    always sends an acquire's ``prompt``, ``protected`` and ``retain`` (the script requires
+    them); a test that leaves them out means a turn whose whole need is its prompt, not
+    protected, that opens no window."""
+    if name == "acquire":
+        if "need" in params:
+            params.setdefault("prompt", params["need"])
+        params.setdefault("protected", 0)
+        params.setdefault("retain", 0)
     return gate._eval(gate._flows.eval_op(name, params))

@@ -236,7 +236,7 @@ def test_the_script_call_carries_its_argv():
     now, blob = op.argv
     sent = json.loads(blob)
     assert now == "1234" and sent["ticket"] == "t" and sent["max_wait_ms"] == 7000
-    assert sent["ch"] == "kvgate:{g}:events"
+    assert sent["channel"] == "kvgate:{g}:events"
     assert gate_flows().eval_op("bump_epoch", {}).argv[0] == ""  # no injected clock: Redis time
 
 
@@ -246,7 +246,7 @@ def test_release_deferred_then_flushed_before_the_next_call():
     f = gate_flows(clock)
     flow = f.release("t1", 0.5, 2)
     op = next(flow)
-    assert op == Eval("release", {"ticket": "t1", "lat_ms": 500.0, "turn": 2})
+    assert op == Eval("release", {"ticket": "t1", "latency_ms": 500.0, "turn_index": 2})
     assert returned(flow, throw=RedisDown("lost")) is False
     assert f.deferred_count == 1 and f.breaker_open()
     clock.t += F.BREAKER_S

@@ -1,5 +1,6 @@
-"""The script loader (includes inlined once, clear errors) and the shipped copy: the
-wheel's kvgate/lua must equal lua/ byte for byte."""
+"""The script loader (includes inlined once, after what they need; cycles and missing
+includes are errors) and the shipped copy: the wheel's kvgate/lua must equal lua/ byte for
+byte. What each script's header declares is checked in test_lua_headers.py."""
 from __future__ import annotations
 
 import subprocess
@@ -21,6 +22,22 @@ def test_render_inlines_each_include_once():
     assert "already inlined" in out
 
 
+def test_render_puts_each_include_after_what_it_needs():
+    # the script lists the includes in any order; each include names its own needs
+    incs = {"base": "BASE", "mid": "--@include base\nMID", "top": "--@include mid\n--@include base\nTOP"}
+    out = scripts.render("--@include top\n--@include mid\n--@include base\nBODY", incs.__getitem__)
+    assert [out.count(x) for x in ("BASE", "MID", "TOP")] == [1, 1, 1]
+    assert out.index("BASE") < out.index("MID") < out.index("TOP") < out.index("BODY")
+
+
+def test_render_refuses_an_include_cycle():
+    incs = {"a": "--@include b\nA", "b": "--@include c\nB", "c": "--@include a\nC"}
+    with pytest.raises(ValueError, match="include cycle: a -> b -> c -> a"):
+        scripts.render("--@include a\nBODY", incs.__getitem__)
+    with pytest.raises(ValueError, match="include cycle: d -> d"):
+        scripts.render("--@include d", {"d": "--@include d"}.__getitem__)
+
+
 def test_every_script_renders_without_include_lines():
     for name in scripts.SCRIPT_NAMES:
         src = scripts.script_source(name)
@@ -35,13 +52,6 @@ def test_unknown_script_and_missing_include(tmp_path):
     (tmp_path / "acquire.lua").write_text("--@include missing\n")
     with pytest.raises(FileNotFoundError, match="missing"):
         scripts.script_source.__wrapped__("acquire", str(tmp_path))
-
-
-def test_every_script_documents_keys_argv_returns():
-    for name in scripts.SCRIPT_NAMES:
-        head = (ROOT / "lua" / f"{name}.lua").read_text().split("]]", 1)[0]
-        for word in ("KEYS", "ARGV", "Returns"):
-            assert word in head, f"{name}.lua header lacks {word}"
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
-"""Three faults of the gate's scripts a review found (each reproduced on a real server and on
+"""Faults of the gate's scripts reviews found (each reproduced on a real server and on
 fakeredis): an engine-set change took a running turn's charge off the ledger; room freed by an
 acquire's own reclaim woke nobody on most of its answers; a new attempt back from its probe
-round trip aged from its enqueue, not from when it began."""
+round trip aged from its enqueue, not from when it began; a release whose turn index was JSON
+null recorded its latency as turn 0's."""
 from __future__ import annotations
 
 import json
@@ -45,11 +46,11 @@ def test_an_engine_set_change_keeps_a_running_turns_charge(backend):
     x = script(g, "acquire", ticket="X", session="x", need=650, probe=0.0, retain=0)
     assert x["o"] == "wait"
     # A's release ends the old window and gives its charge back; X then fits
-    script(g, "release", ticket="A", lat_ms=1.0, turn=0)
+    script(g, "release", ticket="A", latency_ms=1.0, turn_index=0)
     assert not g.redis.hexists(g.key("windows"), "s") or json.loads(g.redis.hget(g.key("windows"), "s"))["ep"] == 1
     assert reserved(g) == running_charge(g)
     assert g.redis.hexists(g.key("leases"), "X")  # granted at A's release
-    script(g, "release", ticket="B", lat_ms=1.0, turn=0)
+    script(g, "release", ticket="B", latency_ms=1.0, turn_index=0)
 
 
 @pytest.mark.parametrize("how", ["probe", "protected"])
@@ -77,3 +78,13 @@ def test_a_new_attempt_back_from_its_probe_ages_from_when_it_began(backend):
     clock.advance(0.5)  # a probe that took its whole timeout; max_wait_s (0.3 s) has passed
     r2 = script(g, "acquire", ticket="T", session="s", need=100, probe=0.1, retain=1, t0=r["b"])
     assert r2["o"] in ("admit", "bypass") and r2["r"] == "aged"  # not one more "wait" round trip
+
+
+def test_a_release_with_a_null_turn_index_records_no_latency(backend):
+    clock = Clock()
+    g = mkgate(backend, clock)
+    g.write_snapshot(engines(usage=0.1, cap=1000))
+    assert script(g, "acquire", ticket="A", session="a", need=10, probe=0.0, retain=0)["o"] == "admit"
+    # a JSON null is an absent parameter: no turn index, so no per-turn-index sample
+    assert script(g, "release", ticket="A", latency_ms=5.0, turn_index=None)["released"] == 1
+    assert not [f for f in g.redis.hkeys(g.key("totals")) if f.startswith(b"lat_")]

@@ -469,7 +469,7 @@ class GateMachine(RuleBasedStateMachine):
     def release(self, data, twice):
         ticket = data.draw(st.sampled_from(sorted(self.held)))
         had = ticket in self.state.leases
-        out = self.call("release", ticket=ticket, lat_ms=12.5, turn=1)
+        out = self.call("release", ticket=ticket, latency_ms=12.5, turn_index=1)
         assert out["released"] == (1 if had else 0), (out, had)
         assert ticket not in self.state.leases
         self.held.discard(ticket)

@@ -314,21 +314,24 @@ def build_request(cfg: GateConfig, session_id: Any, *, max_new_tokens: Any, prom
 
 
 def knob_params(cfg: GateConfig, channel: str) -> dict:
-    """The knobs every script reads (see lua/includes/state.lua). A feature's knobs are the
-    values the gate uses (``GateConfig.effective``): never an unchecked one of a feature that
-    is off, which the scripts may still read (the ceiling's headroom) or JSON cannot carry."""
+    """The knobs sent with every script call (lua/includes/common.lua lists them, each
+    script's header names the ones it reads; a missing one is a script error: the defaults
+    live in ``GateConfig`` only). A feature's knobs are the values the gate uses
+    (``GateConfig.effective``): never an unchecked one of a feature that is off, which the
+    scripts may still read (the ceiling's headroom) or JSON cannot carry."""
     wait_ms = int(cfg.wait_poll_s * 1000)
     eff = cfg.effective
     return {
-        "adm": 1 if cfg.admission else 0, "res": 1 if cfg.residency else 0,
-        "hw": eff("high_watermark"), "pt": eff("pressure_threshold"), "hit": eff("hit_threshold"),
-        "headroom": eff("headroom"), "stale_ms": int(cfg.staleness_s * 1000),
-        "ttl_ms": int(cfg.lease_ttl_s * 1000), "grace_ms": int(cfg.idle_grace_s * 1000),
+        "admission": 1 if cfg.admission else 0, "residency": 1 if cfg.residency else 0,
+        "high_watermark": eff("high_watermark"), "pressure_threshold": eff("pressure_threshold"),
+        "hit_threshold": eff("hit_threshold"), "headroom": eff("headroom"),
+        "staleness_ms": int(cfg.staleness_s * 1000), "lease_ttl_ms": int(cfg.lease_ttl_s * 1000),
+        "idle_grace_ms": int(cfg.idle_grace_s * 1000),
         # a waiter re-checks at least every wait_poll_s: two missed polls mean it is gone
         "alive_ms": 2 * wait_ms + 1000, "claim_ms": 2 * wait_ms + 1000,
         "max_wait_ms": int(cfg.max_wait_s * 1000), "max_wait_hard_ms": int(cfg.max_wait_hard_s * 1000),
         "budget_scale": cfg.budget_scale if cfg.budget_scale is not None else -1,
-        "reap": cfg.reap_batch, "ch": channel,
+        "reap_batch": cfg.reap_batch, "channel": channel,
     }
 
 
@@ -513,7 +516,7 @@ class GateFlows:
         """Give a lease back (an ownership window turns idle); never raises on faults: a
         release Redis did not confirm is sent again later. True when this call released it."""
         r = yield from self._give_back(ticket, "release",
-                                       {"ticket": ticket, "lat_ms": latency_s * 1000.0, "turn": turn_index})
+                                       {"ticket": ticket, "latency_ms": latency_s * 1000.0, "turn_index": turn_index})
         return bool(r and r.get("released"))
 
     def turn_ended(self, session_id: str, prompt_tokens: int) -> None:

@@ -3,7 +3,9 @@
 The scripts live in ``lua/`` at the project root and ship inside the wheel as
 ``kvgate/lua`` (hatch force-include). Each script file may pull shared helpers from
 ``lua/includes/`` with a line ``--@include name``; the loader inlines each include once,
-in order, so a script is one self-contained chunk that Redis caches by SHA.
+after the includes it names itself (dependency order; a cycle is an error), so a script is
+one self-contained chunk that Redis caches by SHA. Each file's header block says what it
+reads (tests/test_lua_headers.py checks it).
 
 Scripts are called through redis-py's ``Script`` objects: EVALSHA first, and on NOSCRIPT
 (after ``SCRIPT FLUSH`` or a Redis restart) the script is loaded again transparently.
@@ -33,17 +35,22 @@ def lua_dir() -> Path:
     raise FileNotFoundError("kvgate Lua scripts not found (neither kvgate/lua nor ../lua)")
 
 
-def render(source: str, read_include, _seen: set[str] | None = None) -> str:
-    """Inline ``--@include name`` lines, each include at most once (includes may include)."""
+def render(source: str, read_include, _seen: set[str] | None = None, _stack: tuple[str, ...] = ()) -> str:
+    """Inline ``--@include name`` lines, each include at most once. An include names what it
+    needs with its own ``--@include`` lines, so it lands after everything it uses (dependency
+    order, whatever order the script lists them in); a cycle is an error, since one side of it
+    would run before what it needs is defined."""
     seen = set() if _seen is None else _seen
 
     def sub(m: re.Match) -> str:
         name = m.group(1)
+        if name in _stack:
+            raise ValueError("include cycle: " + " -> ".join((*_stack[_stack.index(name):], name)))
         if name in seen:
             return f"-- (include {name}: already inlined)"
         seen.add(name)
         body = read_include(name)
-        return f"-- >>> include {name}\n{render(body, read_include, seen)}\n-- <<< include {name}"
+        return f"-- >>> include {name}\n{render(body, read_include, seen, (*_stack, name))}\n-- <<< include {name}"
 
     return INCLUDE_RE.sub(sub, source)
 

@@ -1,42 +1,62 @@
 --[[
-  common.lua: names, clock, argument decoding and small helpers shared by every script.
+  common.lua: what every script shares: the gate's keys (K), the clock (NOW), the parameters
+  (P, OPT), and small helpers: integers for Redis, JSON records in hashes, counters,
+  publishing, the ledger's charge, the gate's progress, time accounting and the tool gap.
 
-  Every kvgate script receives the same 14 KEYS (all under one hash tag, so a gate lives
-  in one Redis Cluster slot):
-    KEYS[1]  ledger        HASH   reserved (tokens), epoch, seq (FIFO sequence counter),
-                                  wseq (window id counter), progress_ms (the gate's last
-                                  progress), lgap (EWMA of log tool gap, s), ngap (gaps reported);
-                                  what the budget controller reads (docs/budget.md): acc_ts,
-                                  acc_wait_ms (time with turns waiting), acc_idle_ms (of that,
-                                  time with no turn in flight), tok_fresh, tok_reusable (prompt
-                                  tokens admitted, new to the engines / the session's last
-                                  prompt, which they may still hold), n_released (leases ended)
-    KEYS[2]  snapshot      HASH   ts_ms, capacity, usage, n_engines, n_healthy, healthy_sig,
-                                  hit_rate, prefill_s_per_token, prefill_load, engines (JSON),
-                                  budget_scale, budget_ts_ms (the poller's measured budget)
-    KEYS[3]  fifo          ZSET   ticket -> FIFO sequence number (strict order)
-    KEYS[4]  waiters       HASH   ticket -> JSON {s=session, n=need tokens, p=prompt tokens,
-                                  v=prompt tokens of the session's last turn, e=enqueued ms,
-                                  b=began ms (if before e), r=retain, q=FIFO place passed on,
-                                  st="w" waiting | "p" preempted | "f" session finished}
-    KEYS[5]  alive         ZSET   ticket -> liveness deadline (ms) of a waiter record
-    KEYS[6]  session_waiter HASH  session -> its waiting ticket (attempt preemption)
-    KEYS[7]  leases        HASH   ticket -> JSON {s, t=own charge (tokens), w=1 if held under
-                                  the session's window, wid=that window's id, a=admitted ms,
-                                  e=enqueued ms, r=reason,
-                                  ep=epoch, c=1 while a FIFO grant is unclaimed}
-    KEYS[8]  lease_exp     ZSET   ticket -> lease expiry (ms)
-    KEYS[9]  windows       HASH   session -> JSON {id=window id, t=charged tokens, h=holders, ep=epoch,
-                                  rv=1 when it is to end at its release (revoked while held),
-                                  x=idle-grace expiry ms (0 while held)}
-    KEYS[10] window_exp    ZSET   session -> idle-grace expiry (ms), idle windows only
-    KEYS[11] stats         HASH   counters of the current rollout step (drained per step)
-    KEYS[12] totals        HASH   the same counters, never drained (Prometheus)
-    KEYS[13] preempted     HASH   session -> number of preempted attempts
-    KEYS[14] window_order  ZSET   session -> its window's id (opening order: the oldest window
-                                  is never revoked; held windows are revoked youngest first)
-  ARGV[1] = now in ms, or "" to use the Redis server clock (TIME).
-  ARGV[2] = JSON object of named parameters (each script's header lists its fields).
+  Every script is passed all 14 gate keys in KEYS, in this order (kvgate.keys.SCRIPT_KEYS),
+  all under the gate's {hash tag}, so a gate lives in one Redis Cluster slot; its header's
+  KEYS used names the roles it touches. Their fields and the layout of the JSON records:
+  docs/keys.md.
+  Gate keys:
+    ledger (HASH): reserved tokens, epoch, sequence counters, progress, budget accounting
+    snapshot (HASH): the engines' latest capacity snapshot and the measured budget scale
+    fifo (ZSET): waiting ticket -> FIFO sequence number (strict order)
+    waiters (HASH): ticket -> waiter record
+    alive (ZSET): ticket -> liveness deadline (ms) of its waiter record
+    session_waiter (HASH): session -> its waiting ticket (attempt preemption)
+    leases (HASH): ticket -> lease record
+    lease_exp (ZSET): ticket -> lease expiry (ms): the TTL, or a FIFO grant's claim deadline
+    windows (HASH): session -> ownership window record
+    window_exp (ZSET): session -> idle-grace expiry (ms), idle windows only
+    stats (HASH): counters of the current rollout step (drained per step)
+    totals (HASH): the same counters, never drained (Prometheus)
+    preempted (HASH): session -> its preempted attempts (until finish_session)
+    window_order (ZSET): session -> its window's id (opening order)
+
+  ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME); tests and the
+    simulator inject it.
+  ARGV[2] a JSON object of named parameters; each script's header lists those it reads.
+    P.<name> reads a required one: absent (or JSON null) is a Lua error that names it, raised
+    where it is read. OPT.<name> reads an optional one: nil when absent. No default lives in
+    Lua: the client sends every knob (kvgate/client/flows.py knob_params, from the defaults
+    of kvgate/config.py).
+
+  The knobs are sent with every call and required by every script that reads them; a
+  script's header names the ones it reads in the knobs entry of its ARGV[2].
+  Knobs:
+    admission (0/1): the admission feature is on (ledger, pressure guard, strict FIFO)
+    residency (0/1): the residency feature is on (ownership windows, prefix probes)
+    high_watermark (usage 0..1): from this KV usage on, newcomers need a window or a
+      resident prefix (residency)
+    pressure_threshold (usage 0..1): from this KV usage on, only window owners enter
+      (admission)
+    hit_threshold (ratio 0..1): a probe's hit ratio from which rule 7 admits
+    headroom (fraction, at most 1): the ceiling's share of the healthy engines' capacity
+    budget_scale (factor): a fixed budget scale > 0, or -1 for the one the poller measured
+      (kvgate/control/budget.py), while it is fresh
+    staleness_ms (ms): a snapshot, or a measured budget scale, older than this is not used
+    lease_ttl_ms (ms): a lease not released within this is reclaimed (its holder died)
+    idle_grace_ms (ms): how long a released window stays, still charged, for its session's
+      next turn
+    claim_ms (ms): how long a FIFO grant waits for its waiter to claim it
+    alive_ms (ms): how long a waiter record lives past each of its re-checks
+    max_wait_ms (ms): the FIFO head ages after this long without progress of the gate
+    max_wait_hard_ms (ms): the FIFO head ages after waiting this long, whatever the progress
+    reap_batch (count): the most items of each kind one call reclaims, trims or grants
+    channel (str): the pub/sub channel of grants, preemptions and epoch bumps ("": none)
+
+  KEYS used: ledger, fifo, stats, totals, lease_exp
+  Knobs read: channel
 ]]
 local K = {
   ledger = KEYS[1], snapshot = KEYS[2], fifo = KEYS[3], waiters = KEYS[4], alive = KEYS[5],
@@ -54,7 +74,21 @@ local function now_ms()
 end
 
 local NOW = now_ms()
-local P = cjson.decode(ARGV[2] or "{}")
+-- the parameters: OPT.<name> is nil when absent; a JSON null is an absent parameter (cjson
+-- decodes it as a sentinel that is not nil)
+local OPT = cjson.decode(ARGV[2] or "{}")
+for k, v in pairs(OPT) do
+  if v == cjson.null then OPT[k] = nil end
+end
+-- P.<name>: a required parameter; reading a missing one is an error naming it (level 2: the
+-- error points at the line that read it)
+local P = setmetatable({}, { __index = function(_, name)
+  local v = OPT[name]
+  if v == nil then
+    error("kvgate: missing required parameter '" .. tostring(name) .. "' in ARGV[2]", 2)
+  end
+  return v
+end })
 
 -- integer to string, for HINCRBY / ZADD / HSET arguments (avoids "1.7e+12" forms)
 local function I(n)
@@ -77,6 +111,21 @@ local function jset(key, field, tbl)
   redis.call("HSET", key, field, cjson.encode(tbl))
 end
 
+-- the members of sorted set `zset` whose deadline (score, ms) has passed, at most `limit`:
+-- `ends(member)` ends the record behind each and says whether there was one to end; a member
+-- with none is a stale entry and leaves the set. Returns how many records ended.
+local function reap_expired(zset, limit, ends)
+  local n = 0
+  for _, m in ipairs(redis.call("ZRANGEBYSCORE", zset, "-inf", I(NOW), "LIMIT", 0, limit)) do
+    if ends(m) then
+      n = n + 1
+    else
+      redis.call("ZREM", zset, m)
+    end
+  end
+  return n
+end
+
 -- count an event in the step window and in the cumulative totals
 local function stat(field, by)
   by = by or 1
@@ -90,8 +139,8 @@ local function statf(field, by)
 end
 
 local function publish(msg)
-  if P.ch and P.ch ~= "" then
-    redis.call("PUBLISH", P.ch, msg)
+  if P.channel ~= "" then
+    redis.call("PUBLISH", P.channel, msg)
   end
 end
 

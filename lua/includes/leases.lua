@@ -1,0 +1,107 @@
+--[[
+  leases.lua: the lease record (leases, lease_exp): grant (charged to the ledger, or to the
+  session's window it opens or joins), free (a window turns idle, or the lease's own charge
+  goes back), and the reap of expired ones. The record's fields: docs/keys.md#lease; its
+  states: docs/state-machines.md#lease.
+
+  KEYS used: leases, lease_exp, ledger, windows, window_exp, window_order
+  Knobs read: lease_ttl_ms, claim_ms (grant)
+]]
+--@include common
+--@include windows
+
+-- remove a lease and give back what it holds; returns the lease or nil
+local function free_lease(ticket)
+  local l = jget(K.leases, ticket)
+  if not l then return nil end
+  redis.call("HDEL", K.leases, ticket)
+  redis.call("ZREM", K.lease_exp, ticket)
+  redis.call("HINCRBY", K.ledger, "n_released", 1)
+  progress()
+  if l.w == 1 then
+    local win = jget(K.windows, l.s)
+    -- only the window this lease was charged to: if that one ended meanwhile (finish,
+    -- epoch change) a newer window of the session is not this lease's to release
+    if win and win.id == l.wid then
+      win.h = math.max(0, win.h - 1)
+      if win.h == 0 then
+        window_idle(l.s, win)
+      else
+        jset(K.windows, l.s, win)
+      end
+    end
+  end
+  if l.t > 0 then charge(-l.t) end
+  return l
+end
+
+-- open a lease for a turn of `need` tokens, `prompt` of them its prompt, `prev` the prompt of
+-- the session's last turn (0: none known); with `win_mode` the charge goes to the session's
+-- window:
+--   "join"  the session owns a window: hold it (first holder re-sizes its charge)
+--   "open"  open (or keep) the window for this session (admitted under pressure)
+local function grant(ticket, session, need, prompt, prev, reason, enq_ms, win_mode, claim)
+  local l = { s = session, t = need, w = 0, a = NOW, e = enq_ms or NOW, r = reason, ep = epoch(), c = 0 }
+  -- what the engines should still hold of this prompt: the session's last prompt, when this
+  -- one extends it; the rest is new to them (the budget controller's re-prefill estimate,
+  -- docs/budget.md)
+  local reuse = 0
+  if prev > 0 and prompt >= prev then reuse = prev end
+  redis.call("HINCRBY", K.ledger, "tok_reusable", I(reuse))
+  redis.call("HINCRBY", K.ledger, "tok_fresh", I(prompt - reuse))
+  if win_mode ~= nil then
+    local win = jget(K.windows, session)
+    if win == nil then
+      win = { t = need, h = 1, ep = epoch(), x = 0, id = redis.call("HINCRBY", K.ledger, "wseq", 1) }
+      redis.call("ZADD", K.window_order, I(win.id), session)
+      charge(need)
+      l.t = 0
+      l.w = 1
+    elseif win.h == 0 then
+      -- the charge follows the session's latest turn both ways (a reset context shrinks it)
+      charge(need - win.t)
+      win.t = need
+      win.h = 1
+      win.x = 0
+      redis.call("ZREM", K.window_exp, session)
+      l.t = 0
+      l.w = 1
+    else
+      -- a concurrent turn of the same session (a branch): charged on its own
+      charge(need)
+    end
+    if l.w == 1 then
+      l.wid = win.id
+      jset(K.windows, session, win)
+    end
+  else
+    charge(need)
+  end
+  local exp = NOW + P.lease_ttl_ms
+  if claim then
+    l.c = 1
+    exp = NOW + math.min(P.claim_ms, P.lease_ttl_ms)
+  end
+  jset(K.leases, ticket, l)
+  redis.call("ZADD", K.lease_exp, I(exp), ticket)
+  stat("admit")
+  stat("admit_" .. reason)
+  -- an aged admission is the liveness guard acting, not progress (SPEC 4): else every
+  -- waiter behind a stalled head would wait max_wait_s more, one after another
+  if reason ~= "aged" then progress() end
+  if enq_ms ~= nil and enq_ms < NOW then
+    stat("wait_granted")
+    stat("wait_ms_sum", NOW - enq_ms)
+  end
+  return l
+end
+
+-- bounded reclaim of expired leases (their holders died, or a FIFO grant went unclaimed);
+-- returns how many
+local function reap_leases(limit)
+  return reap_expired(K.lease_exp, limit, function(t)
+    if not free_lease(t) then return false end
+    stat("lease_expired")
+    return true
+  end)
+end

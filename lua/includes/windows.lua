@@ -1,0 +1,145 @@
+--[[
+  windows.lua: the ownership window record (windows, window_exp, window_order): whether an
+  admission opens one, its idle grace at release, its end (the ledger gets its charge back),
+  the lazy check of a session's window (rule 5), the trim of an over-committed ledger, the
+  eviction of idle windows for an aged admission, and the reap of expired ones. A lease opens
+  or joins a window in leases.lua (grant). The record's fields: docs/keys.md#window; its
+  states: docs/state-machines.md#window.
+
+  KEYS used: windows, window_exp, window_order
+  Knobs read: idle_grace_ms (window_idle); residency, admission (opens_window, trim);
+    high_watermark (opens_window); headroom (trim)
+]]
+--@include common
+
+local function end_window(session, win)
+  redis.call("HDEL", K.windows, session)
+  redis.call("ZREM", K.window_exp, session)
+  redis.call("ZREM", K.window_order, session)
+  progress()
+  -- leases still running under it (finish_session mid-turn) hold no charge of their own,
+  -- so their later release gives back nothing: the window's charge is returned once, here
+  charge(-win.t)
+end
+
+-- idle window: start its grace; end it at once when grace is 0 or it was revoked
+local function window_idle(session, win)
+  if win.rv == 1 then
+    end_window(session, win)
+    stat("window_revoked")
+    return
+  end
+  if P.idle_grace_ms <= 0 then
+    end_window(session, win)
+    return
+  end
+  win.h = 0
+  win.x = NOW + P.idle_grace_ms
+  jset(K.windows, session, win)
+  redis.call("ZADD", K.window_exp, I(win.x), session)
+end
+
+-- does a retained admission open (or keep) an ownership window? With admission on, always:
+-- the ledger must charge the prefixes of sessions between turns, which the engines' usage
+-- gauges count as free. With residency alone, only under pressure (seed 000).
+local function opens_window(retain, usage)
+  return P.residency == 1 and retain == 1 and (P.admission == 1 or usage >= P.high_watermark)
+end
+
+-- the ledger is over-committed (windows grew past the ceiling): revoke windows, bounded.
+-- Idle windows go first, the longest idle first: a session deep in a long tool call owns the
+-- blocks the engines' LRU evicts first once the pool overflows, so its window is the one whose
+-- KV is lost anyway (as in evict_idle below). Then windows a running turn holds, the youngest
+-- first; those end at their lease's release. The oldest window always stays.
+local function trim(snap, limit)
+  if P.admission ~= 1 or P.residency ~= 1 or not snap.fresh then return 0 end
+  -- hysteresis: windows may grow past the ceiling (rules 5 and 7); only when they outgrow
+  -- the budget's share of the engines' whole capacity (ceiling / headroom) are windows
+  -- revoked, down to the ceiling. A scale below 1 admits fewer newcomers but never revokes
+  -- windows the pool still holds: the trim works as at scale 1 then.
+  local over = math.max(1, snap.scale)
+  local r = reserved()
+  if r <= snap.capacity * over then return 0 end
+  local excess = r - math.floor(snap.capacity * P.headroom * over)
+  local n = 0
+  local oldest = redis.call("ZRANGE", K.window_order, 0, 0)[1]
+  -- window_exp holds idle windows only, scored by grace expiry: the earliest was released first
+  local order = redis.call("ZRANGE", K.window_exp, 0, limit - 1)
+  for _, s in ipairs(redis.call("ZREVRANGE", K.window_order, 0, limit - 1)) do
+    order[#order + 1] = s
+  end
+  for _, s in ipairs(order) do
+    if excess <= 0 then break end
+    -- the oldest window always stays: revoking the last session cannot make room for anyone
+    -- (an idle window is listed twice; once ended, its second listing finds nothing)
+    local win = nil
+    if s ~= oldest then win = jget(K.windows, s) end
+    if win and win.h == 0 then
+      end_window(s, win)
+      stat("window_revoked")
+      excess = excess - win.t
+      n = n + 1
+    elseif win then
+      -- held by a running turn: it ends at that turn's release (marked once, counted always)
+      if win.rv ~= 1 then
+        win.rv = 1
+        jset(K.windows, s, win)
+      end
+      excess = excess - win.t
+    elseif s ~= oldest then
+      redis.call("ZREM", K.window_order, s)
+    end
+  end
+  return n
+end
+
+-- make room for `need` tokens by ending idle windows, the longest idle first, bounded by
+-- `limit`: a session deep in a long tool call owns the blocks the engines' LRU evicts next
+-- anyway, so its window is the cheapest place to give up. Returns how many ended.
+local function evict_idle(snap, need, limit)
+  local n = 0
+  for _, s in ipairs(redis.call("ZRANGE", K.window_exp, 0, limit - 1)) do
+    if reserved() + need <= snap.ceiling then break end
+    local win = jget(K.windows, s)
+    if win and win.h == 0 then
+      end_window(s, win)
+      stat("window_revoked")
+      stat("window_yielded")
+      n = n + 1
+    end
+  end
+  return n
+end
+
+-- a live window of the current epoch, or nil (stale ones are ended here, lazily)
+local function live_window(session)
+  local win = jget(K.windows, session)
+  if not win then return nil end
+  if win.ep ~= epoch() and win.h > 0 then
+    -- of an old engine set but held by a running turn: ending it now would take that turn's
+    -- charge off the ledger while it runs. It ends when its holder releases it (rv), and
+    -- this session's other turns meanwhile are charged on their own (grant's branch case)
+    if win.rv ~= 1 then
+      win.rv = 1
+      jset(K.windows, session, win)
+    end
+    return nil
+  end
+  if win.ep ~= epoch() or (win.h == 0 and win.x <= NOW) then
+    end_window(session, win)
+    stat(win.ep ~= epoch() and "window_epoch_dropped" or "window_expired")
+    return nil
+  end
+  return win
+end
+
+-- bounded end of idle windows whose grace expired; returns how many
+local function reap_windows(limit)
+  return reap_expired(K.window_exp, limit, function(s)
+    local win = jget(K.windows, s)
+    if not (win and win.h == 0 and win.x <= NOW) then return false end
+    end_window(s, win)
+    stat("window_expired")
+    return true
+  end)
+end
