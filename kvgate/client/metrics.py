@@ -167,6 +167,8 @@ class GateCollector:
         for name, help_, val in (
             ("kvgate_reserved_tokens", "Tokens reserved by live leases and windows", s["reserved"]),
             ("kvgate_ceiling_tokens", "Admission ceiling (healthy capacity x headroom x budget scale)", s["ceiling"]),
+            ("kvgate_budget_scale", "Budget scale in use: the measured one, the budget_scale knob, or 1 "
+             "(docs/budget.md)", s.get("budget_scale", 1.0)),
             ("kvgate_kv_usage", "Worst engine KV usage in the latest snapshot", s["usage"]),
             ("kvgate_epoch", "Generation of the healthy engine set", s["epoch"]),
             ("kvgate_waiting", "Attempts waiting in the FIFO", s["waiting"]),
