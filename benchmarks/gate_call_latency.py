@@ -6,8 +6,7 @@ Without ``--redis`` it starts a private ``redis-server`` (kvgate.tools.bench's e
 if the binary is missing, which measures fakeredis, not a server). Every turn is admitted at
 once (a 1M-token pool at 10 % usage): this is the floor under the client's cost, one Lua script
 per admit and one per release over loopback, with nothing else on the loop. Compare it with the
-gate's per-turn cost inside the bench (docs/benchmark-runs.md#tls-context) to see how much of that is
-the bench's own busy loop. Prints p50 / p90 in milliseconds; the first 50 turns are warm-up.
+gate's per-turn cost inside the bench to see how much of that is the bench's own busy loop. Prints p50 / p90 in milliseconds; the first 50 turns are warm-up.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ class GateConfig:
     that is off keeps the value it was given, but the gate never uses a value that would
     fail the check (NaN, a negative decode cap, ...): ``effective(name)`` is what the gate
     uses, the knob's default in that case (some of these knobs still matter with their
-    feature off: the ceiling in metrics and wait costs, the decode cap in window charges).
+    feature off: the ceiling in metrics and status, the decode cap in window charges).
     """
 
     admission: bool = True

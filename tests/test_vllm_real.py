@@ -346,7 +346,7 @@ def test_gate_admits_resident_prefixes_and_holds_cold_ones(server, http, redis_u
     """Multi-turn sessions through kvgate.Gate with the HTTP probe, usage forced into the residency band
     (high_watermark 0.85 <= 0.9 < pressure_threshold 0.92): a turn whose prefix the engine holds is
     admitted as `resident_prefix` (the engine then reports those tokens as cached), a turn whose prefix
-    is not resident waits (`cold_prefix`) until max_wait_s ages it out."""
+    is not resident waits (`cold_prefix`) until max_wait_s without progress ages it in."""
     cfg = kvgate.GateConfig(admission=True, residency=True, high_watermark=0.85, pressure_threshold=0.92,
                             hit_threshold=0.80, max_wait_s=0.6, wait_poll_s=0.2, staleness_s=600.0,
                             probe_timeout_s=5.0, idle_grace_s=0.0)
@@ -383,9 +383,10 @@ def test_gate_admits_resident_prefixes_and_holds_cold_ones(server, http, redis_u
 
     by_turn = {(s, t): (o, r, c, w) for s, t, o, r, c, w in log}
     for sid in histories:
-        # first turn: nothing resident -> waits, then ages out (bypass/aged); the engine had no prefix
+        # first turn: nothing resident -> waits, then ages in (an aged admission holding a lease:
+        # nothing else made progress for max_wait_s); the engine had no prefix
         o, r, c, w = by_turn[(sid, 0)]
-        assert (o, r, c) == ("bypass", "aged", 0) and w > 0
+        assert (o, r, c) == ("admit", "aged", 0) and w > 0
         # later turns: the engine holds the history's full blocks -> resident_prefix, confirmed by the engine
         for t in (1, 2):
             o, r, c, w = by_turn[(sid, t)]
@@ -401,4 +402,4 @@ def test_gate_admits_resident_prefixes_and_holds_cold_ones(server, http, redis_u
     # after the flood: cold again -> waits and ages out; the engine re-prefilled from scratch
     for sid in ("s0", "s1"):
         o, r, c, w = by_turn[(sid, 3)]
-        assert (o, r, c) == ("bypass", "aged", 0) and w > 0
+        assert (o, r, c) == ("admit", "aged", 0) and w > 0

@@ -30,7 +30,7 @@ def json_reply(raw: Any) -> Any:
 
 def ticket_to_wake(msg: dict) -> str | None:
     """The ticket a pub/sub message of the gate's channel names for a re-check: ``g`` granted,
-    ``p`` preempted, ``a`` may age now (None for anything else)."""
+    ``p`` preempted (None for anything else)."""
     data = msg.get("data")
     if isinstance(data, bytes):
         data = data.decode(errors="replace")

@@ -23,7 +23,7 @@ class EngineState:
     vLLM ``num_gpu_blocks * block_size``). ``usage`` (0..1) is taken as given; when it is
     None it is ``used_tokens / capacity_tokens``. Unhealthy engines count for nothing.
     ``prefill_s_per_token``: measured seconds of prefill per uncached prompt token (None when
-    the engine does not say); it bounds waits by re-prefill cost (``wait_cost_ratio``).
+    the engine does not say); shown by ``kvgate status``.
     ``prefill_load``: seconds of prefill per second of wall time, over windows of at least
     2 s, smoothed (the mean number of requests in their prefill phase; None when not measured).
     """

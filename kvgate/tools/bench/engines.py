@@ -139,7 +139,7 @@ class EngineClient:
         # lean=True (the bench's own simulator): turns go through the simulator's lean HTTP/1.1
         # pool (kvgate.tools.sim.HttpPool) where the URL is plain http without a base path. httpx's
         # per-request machinery was a third of the bench process's CPU, and at time scale 0.02
-        # the bench's CPU is model time (docs/benchmark-runs.md#lean-client). Real engines keep
+        # the bench's CPU is model time. Real engines keep
         # httpx: the pool knows nothing of TLS, base paths or a server's keep-alive expiry.
         self._lean: dict[str, HttpPool] = {}
         for u in self.generate_urls if lean else ():

@@ -137,8 +137,7 @@ async def _start_poller(redis_url: str, gate_name: str, cfg: Any, client: Engine
     ``/kvgate/usage`` feeder.  The first tick runs before any turn and, where the engines
     export prefill time (vLLM), the poller keeps ticking until its first prefill-load window
     has closed (a few seconds at most): a deployed poller runs all along, so a rollout step
-    never starts with the load unmeasured; without this every gate policy would spend its
-    first seconds holding turns back on an idle engine (docs/benchmarks.md#poller-warm-up).
+    never starts with the engines unmeasured (docs/benchmarks.md#poller-warm-up).
     """
     try:
         import kvgate
