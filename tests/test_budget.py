@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvgate.control.budget import BACKOFF, IDLE_FLOOR, MIN_RELEASES, BudgetController, Reading
+from kvgate.control.budget import BACKOFF, IDLE_FLOOR, MIN_RELEASES, MIN_SCALE, BudgetController, Reading
 
 
 class Gate:
@@ -189,7 +189,7 @@ def test_reset_starts_from_the_ledger():
 
 def test_a_start_scale_that_is_not_finite_is_the_ledger():
     assert BudgetController(float("nan")).scale == 1.0
-    assert BudgetController(0.2).scale == 1.0
+    assert BudgetController(0.2).scale == MIN_SCALE  # never below a quarter of the ledger
 
 
 def test_after_a_back_off_it_grows_only_part_way_back():

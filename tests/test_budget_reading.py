@@ -9,7 +9,7 @@ import redis
 
 import kvgate
 from kvgate import keys
-from kvgate.control.budget_reading import BudgetReader, cache_counters
+from kvgate.control.budget_reading import BudgetReader, engine_counters
 from kvgate.control.call_threads import CallThreads
 from kvgate.control.discovery import Endpoint
 from kvgate.control.promparse import EngineMetrics, RankMetrics
@@ -18,20 +18,24 @@ from kvgate.control.scrape import ScrapeResult
 pytestmark = pytest.mark.redis_real
 
 
-def scrape(queries: float | None, hits: float | None, healthy: bool = True) -> ScrapeResult:
+def scrape(queries: float | None, hits: float | None, healthy: bool = True,
+           prefill_s: float | None = None) -> ScrapeResult:
     rank = RankMetrics(kind="vllm", dp_rank=None, capacity_tokens=10_000, prefix_cache_queries=queries,
-                       prefix_cache_hits=hits)
+                       prefix_cache_hits=hits, prefill_seconds=prefill_s)
     return ScrapeResult(Endpoint("http://10.0.0.1:8000", healthy=healthy),
                         metrics=EngineMetrics(kind="vllm", ranks=(rank,)))
 
 
-def test_cache_counters_sum_the_healthy_engines():
-    assert cache_counters([scrape(100, 40), scrape(50, 10)]) == (150, 50)
-    assert cache_counters([scrape(100, 40), scrape(None, None)]) == (None, None)  # one does not export them
+def test_engine_counters_sum_the_healthy_engines():
+    both = engine_counters([scrape(100, 40, prefill_s=2.0), scrape(50, 10, prefill_s=1.5)])
+    assert both == {"queries": 150, "hits": 50, "prefill_s": 3.5, "engines": 2}
+    # one engine does not export its cache counters, or its prefill time: that sum is unknown
+    assert engine_counters([scrape(100, 40), scrape(None, None)])["queries"] is None
+    assert engine_counters([scrape(100, 40, prefill_s=2.0), scrape(50, 10)])["prefill_s"] is None
     failed = ScrapeResult(Endpoint("http://10.0.0.2:8000"), error="timed out")
-    assert cache_counters([scrape(100, 40), failed]) == (False, False)  # not comparable this tick
+    assert engine_counters([scrape(100, 40), failed]) is None  # not comparable this tick
     sick = ScrapeResult(Endpoint("http://10.0.0.2:8000", healthy=False), error="router reports ...")
-    assert cache_counters([scrape(100, 40), sick]) == (100, 40)
+    assert engine_counters([scrape(100, 40), sick]) == {"queries": 100, "hits": 40, "prefill_s": None, "engines": 1}
 
 
 @pytest.fixture

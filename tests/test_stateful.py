@@ -539,8 +539,7 @@ class GateMachine(RuleBasedStateMachine):
             # trimming started, either what is left after the revoked windows end fits that, or
             # every window but the oldest is revoked
             cap = int(post.snap["capacity"])
-            # (a scale below 1 admits fewer newcomers but trims as scale 1 does)
-            scale = max(1.0, post.scale(self.now, int(self.cfg.staleness_s * 1000), self.cfg.budget_scale))
+            scale = post.scale(self.now, int(self.cfg.staleness_s * 1000), self.cfg.budget_scale)
             ceiling = math.floor(cap * self.cfg.headroom * scale)
             newly_rv = any(w.get("rv") == 1 and pre.windows.get(s_, {}).get("rv") != 1
                            for s_, w in post.windows.items())

@@ -1,46 +1,53 @@
-"""The self-sizing budget (SPEC 4b): how far the sessions the gate holds may over-commit the
-engines' KV pool, measured while the gate runs. Pure code, no I/O: the poller's leader feeds
-it one reading per tick and writes the scale it answers into the snapshot
+"""The self-sizing budget (SPEC 4b): how much KV the sessions the gate holds may reserve,
+as a scale of the seeds' ledger, measured while the gate runs. Pure code, no I/O: the poller's
+leader feeds it one reading per tick and writes the scale it answers into the snapshot
 (docs/budget.md has the law, its signals, time constants and why it settles).
 
-The scripts admit against ``capacity x headroom x scale``; scale 1 is the seeds' ledger, which
-charges every held session's whole context and so keeps the working set inside the pool. The
-controller moves the scale between 1 and as far up as the engines keep paying for it:
+The scripts admit against ``capacity x headroom x scale`` and revoke windows past
+``capacity x scale``; scale 1 is the seeds' ledger. Two things are measured per window, both
+in engine time:
 
-* **Grow while the engines idle with turns waiting.** The scripts integrate, exactly, how long
-  turns waited in the FIFO and how much of that time no turn of the gate was in flight. Idle
-  engines with turns waiting are throughput lost for certain; a re-prefill caused by admitting
-  more sessions is at worst paid from that idle time. Over a window the scale grows by the
-  share of the window's time lost that way: ``scale x (1 + idle / window)``.
-* **Back off when over-committing keeps less history than the ledger did.** With the engines
-  busy, admitting more sessions pays only while the cache keeps their histories: the retained
-  share of the reusable history (``1 - re-prefilled / reusable`` tokens, from the engines'
-  prefix-cache counters against what the gate admitted) times the scale is the history the
-  engines serve per unit of the seeds' ledger. When it falls below what scale 1 served (its
-  retained share, remembered from the windows run at scale 1), thrashing costs more than the
-  extra sessions bring: the scale backs off multiplicatively, towards 1, and from then on grows
-  no further than part-way back to where it thrashed (BBR v2's ``inflight_hi``: a bound learned
-  from loss, here from lost history).
+* **idle**: the share of the window's time the engines had no turn of the gate in flight
+  while turns waited in the FIFO (the scripts integrate it exactly). It is work lost for
+  certain, and a re-prefill caused by admitting more sessions is at worst paid from it: the
+  scale grows by it, ``scale x (1 + idle)``.
+* **waste**: the share of the engines' time spent re-prefilling histories they had already
+  computed: the re-prefilled tokens (their prefix-cache counters against the fresh tokens the
+  gate admitted) times the cost of a prefilled token, the least their prefill time per
+  prefilled token has been in any window of this term (as BBR takes the least round trip: the
+  engines' own counters also count time a request queued or shared its batch, which only ever
+  adds). With the engines
+  busy, a waste of half their time or more means the held sessions thrash: the scale backs
+  off, ``scale x 0.7``, and from then on grows no further than part-way back to where it
+  thrashed (BBR v2's ``inflight_hi``: a bound learned from loss, here from lost work).
 
 A window closes once the sessions the gate held at its start have turned over once (as many
 releases as held sessions, at least ``MIN_RELEASES``): the controller's time constant is the
-workload's own turn cycle, not a number of seconds. No reading, counters that went back (an
-engine or Redis restarted), or engines without prefix-cache counters: the scale does not grow,
-and it falls back to 1 (the seeds' ledger) where it cannot measure thrash.
+workload's own turn cycle, not a number of seconds. Missing signals fail safe: without the
+engines' prefix-cache counters the scale is 1 (never over-commit blind); without their prefill
+time the back-off falls back to comparing retained history with what the ledger kept.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-__all__ = ["Reading", "Window", "BudgetController", "MIN_RELEASES", "IDLE_FLOOR", "BACKOFF", "NOISE", "EWMA"]
+__all__ = ["Reading", "Window", "BudgetController", "MIN_RELEASES", "IDLE_FLOOR", "BACKOFF", "THRASH",
+           "MIN_SCALE", "MIN_PREFILL_TOKENS", "NOISE", "EWMA"]
 
 #: a window needs at least this many turns released to say anything about the cache
 MIN_RELEASES = 8
 #: idle shares (of a window's time) below this do not grow the scale: jitter, not spare engines
 IDLE_FLOOR = 0.02
-#: the multiplicative back-off when over-committing thrashes (as TCP's and BBR's 0.7)
+#: the multiplicative back-off when the held sessions thrash (as TCP's and BBR's 0.7)
 BACKOFF = 0.7
+#: the share of the engines' time re-prefilling at which the held sessions thrash: more of it
+#: than of everything else they do
+THRASH = 0.5
+#: the least the scale backs off to: a quarter of what the seeds' ledger holds
+MIN_SCALE = 0.25
+#: a window must have prefilled this many tokens to measure what one costs
+MIN_PREFILL_TOKENS = 256
 #: retained history within this fraction of what scale 1 served counts as no worse (the
 #: window-to-window spread of the retained share)
 NOISE = 0.1
@@ -62,6 +69,8 @@ class Reading:
     held: int               # sessions the gate holds now: leases in flight + windows
     engine_queries: float | None = None  # prompt tokens the engines looked up (sum over engines)
     engine_hits: float | None = None     # of those, found in their prefix caches
+    engine_prefill_s: float | None = None  # seconds the engines spent prefilling (sum over engines)
+    engines: int = 1                     # how many engines (ranks) those sums are over
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,7 @@ class Window:
 
     idle_share: float | None    # idle time with turns waiting / the window's time (None: no time passed)
     retained: float | None      # 1 - re-prefilled / reusable tokens (None: not measurable)
+    waste: float | None         # re-prefill seconds / the engines' time (None: no prefill time)
     scale_before: float
     scale_after: float
     why: str                    # "grow" | "backoff" | "hold" | "no cache counters"
@@ -79,12 +89,14 @@ class BudgetController:
     """Feed it :meth:`update` once per poller tick; it answers the scale to publish."""
 
     def __init__(self, scale: float = 1.0) -> None:
-        self.scale = max(1.0, scale) if math.isfinite(scale) else 1.0
+        self.scale = max(MIN_SCALE, scale) if math.isfinite(scale) else 1.0
         self._start: Reading | None = None
         # the retained share at scale 1 (None: not measured yet, counted as 1: keep everything)
         self.ledger_retained: float | None = None
         # the most the scale may grow to: part-way back to the last scale that thrashed
         self.limit = math.inf
+        # seconds of prefill per prefilled token: the least any window of this term measured
+        self.token_cost: float | None = None
         self.last: Window | None = None
 
     def reset(self) -> None:
@@ -111,22 +123,45 @@ class BudgetController:
         before = self.scale
         if None in (s.engine_queries, s.engine_hits, r.engine_queries, r.engine_hits):
             # the engines do not say what their caches kept: never over-commit blind
-            return Window(idle, None, before, 1.0, "no cache counters")
+            return Window(idle, None, None, before, 1.0, "no cache counters")
         retained = _retained(s, r)
+        waste = self._waste(s, r, span)
+        window = lambda after, why: Window(idle, retained, waste, before, after, why)  # noqa: E731
         if retained is not None and before <= 1.0:
             old = self.ledger_retained
             self.ledger_retained = retained if old is None else old + EWMA * (retained - old)
         if idle is not None and idle >= IDLE_FLOOR:
             # work lost for certain comes first: a re-prefill is at worst paid from idle time
             if before < self.limit:
-                return Window(idle, retained, before, min(self.limit, before * (1.0 + idle)), "grow")
-            return Window(idle, retained, before, before, "hold")
-        ledger = self.ledger_retained if self.ledger_retained is not None else 1.0
-        # history served per unit of the seeds' ledger, against what the ledger served
-        if retained is not None and before > 1.0 and before * retained < (1.0 - NOISE) * ledger:
-            self.limit = max(1.0, before * math.sqrt(BACKOFF))
-            return Window(idle, retained, before, max(1.0, before * BACKOFF), "backoff")
-        return Window(idle, retained, before, before, "hold")
+                return window(min(self.limit, before * (1.0 + idle)), "grow")
+            return window(before, "hold")
+        if waste is not None:
+            thrash = waste >= THRASH
+        else:
+            # no prefill time: history served per unit of the seeds' ledger, against what the
+            # ledger served (never below the ledger itself)
+            ledger = self.ledger_retained if self.ledger_retained is not None else 1.0
+            thrash = retained is not None and before > 1.0 and before * retained < (1.0 - NOISE) * ledger
+        if thrash and before > MIN_SCALE:
+            self.limit = before * math.sqrt(BACKOFF)
+            floor = MIN_SCALE if waste is not None else 1.0
+            return window(max(floor, before * BACKOFF), "backoff")
+        return window(before, "hold")
+
+
+    def _waste(self, s: Reading, r: Reading, span_ms: float) -> float | None:
+        """The share of the engines' time spent re-prefilling (None without prefill time)."""
+        if None in (s.engine_prefill_s, r.engine_prefill_s) or span_ms <= 0:
+            return None
+        uncached = (r.engine_queries - s.engine_queries) - (r.engine_hits - s.engine_hits)
+        if uncached >= MIN_PREFILL_TOKENS:
+            cost = (r.engine_prefill_s - s.engine_prefill_s) / uncached
+            if cost > 0 and (self.token_cost is None or cost < self.token_cost):
+                self.token_cost = cost
+        if self.token_cost is None:
+            return None
+        reprefilled = max(0.0, uncached - (r.tok_fresh - s.tok_fresh))
+        return self.token_cost * reprefilled / (span_ms / 1000.0 * max(1, r.engines))
 
 
 def _went_back(s: Reading, r: Reading) -> bool:
@@ -135,7 +170,8 @@ def _went_back(s: Reading, r: Reading) -> bool:
         return True
     if r.tok_fresh < s.tok_fresh or r.tok_reusable < s.tok_reusable:
         return True
-    for a, b in ((s.engine_queries, r.engine_queries), (s.engine_hits, r.engine_hits)):
+    for a, b in ((s.engine_queries, r.engine_queries), (s.engine_hits, r.engine_hits),
+                 (s.engine_prefill_s, r.engine_prefill_s)):
         if a is not None and b is not None and b < a:
             return True
     return False

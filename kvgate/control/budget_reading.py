@@ -23,25 +23,35 @@ from kvgate.control.scrape import ScrapeResult
 # kvgate/cli.py's own lines about it are), for operators to filter and set levels by
 log = logging.getLogger("kvgate.control.poller")
 
-__all__ = ["BudgetReader", "cache_counters"]
+__all__ = ["BudgetReader", "engine_counters"]
 
 
-def cache_counters(scrapes: Sequence[ScrapeResult]) -> tuple:
-    """The healthy engines' prefix-cache lookups and hits, summed over this tick's scrapes:
-    (queries, hits); (None, None) when an engine does not export them; (False, False) when a
-    scrape failed (its last numbers are older than the others')."""
-    queries = hits = 0.0
+def engine_counters(scrapes: Sequence[ScrapeResult]) -> dict | None:
+    """The engines' counters the controller reads, summed over this tick's scrapes: prefix-
+    cache lookups and hits (None when an engine does not export them), prefill seconds (None
+    when an engine does not export them) and the number of engines (ranks). None when a
+    healthy engine's scrape failed: its last numbers are older than the others'."""
+    queries = hits = prefill = 0.0
+    engines = 0
+    has_cache = has_prefill = True
     for s in scrapes:
         if s.metrics is None:
             if s.endpoint.healthy:
-                return False, False
+                return None
             continue
         for r in s.metrics.ranks:
+            engines += 1
             if r.prefix_cache_queries is None or r.prefix_cache_hits is None:
-                return None, None
-            queries += r.prefix_cache_queries
-            hits += r.prefix_cache_hits
-    return queries, hits
+                has_cache = False
+            else:
+                queries += r.prefix_cache_queries
+                hits += r.prefix_cache_hits
+            if r.prefill_seconds is None:
+                has_prefill = False
+            else:
+                prefill += r.prefill_seconds
+    return {"queries": queries if has_cache else None, "hits": hits if has_cache else None,
+            "prefill_s": prefill if has_prefill else None, "engines": engines}
 
 
 def _pct(v: float | None) -> str:
@@ -101,17 +111,18 @@ class BudgetReader:
             self._epoch = epoch
         if raw["acc_ts"] is None:
             return self.controller.scale  # no script ran yet
-        queries, hits = cache_counters(scrapes)
-        if queries is False:
+        eng = engine_counters(scrapes)
+        if eng is None:
             return self.controller.scale  # a scrape failed this tick: its counters are not comparable
         reading = Reading(now_ms=num(raw["acc_ts"]), wait_ms=num(raw["wait"]), idle_ms=num(raw["idle"]),
                           released=int(num(raw["released"])), tok_fresh=int(num(raw["fresh"])),
                           tok_reusable=int(num(raw["reusable"])), held=int(raw["held"]),
-                          engine_queries=queries, engine_hits=hits)
+                          engine_queries=eng["queries"], engine_hits=eng["hits"],
+                          engine_prefill_s=eng["prefill_s"], engines=eng["engines"])
         before = self.controller.last
         scale = self.controller.update(reading)
         w = self.controller.last
         if w is not None and w is not before and w.scale_after != w.scale_before:
-            log.info("budget scale %.2f -> %.2f (%s: idle %s, retained %s)", w.scale_before, w.scale_after,
-                     w.why, _pct(w.idle_share), _pct(w.retained))
+            log.info("budget scale %.2f -> %.2f (%s: idle %s, re-prefill %s of the engines' time, retained %s)",
+                     w.scale_before, w.scale_after, w.why, _pct(w.idle_share), _pct(w.waste), _pct(w.retained))
         return scale
