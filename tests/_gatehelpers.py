@@ -59,6 +59,29 @@ def config(**cfg) -> kvgate.GateConfig:
     return kvgate.GateConfig(**{**FAST, **cfg})
 
 
+def in_thread(fn: Callable, *args, **kw) -> concurrent.futures.Future:
+    """``fn(*args, **kw)`` started in a thread of its own: its future."""
+    ex = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        return ex.submit(fn, *args, **kw)
+    finally:
+        ex.shutdown(wait=False)
+
+
+def result_within(fut: concurrent.futures.Future, timeout: float, what: str):
+    """The future's result; the test fails if it is not done within ``timeout`` (a hang)."""
+    done, _ = concurrent.futures.wait([fut], timeout=timeout)
+    if not done:
+        pytest.fail(f"{what} did not return within {timeout}s (hang)")
+    return fut.result()  # (not result(timeout): AdmissionTimeout is a TimeoutError too)
+
+
+def bounded(fn: Callable, *args, timeout: float = HANG_S, **kw):
+    """Run ``fn`` in a thread; fail the test if it does not return within ``timeout`` (a hang
+    detector, not a latency assertion)."""
+    return result_within(in_thread(fn, *args, **kw), timeout, getattr(fn, "__name__", repr(fn)))
+
+
 def mkgate(backend, clock=None, probe=None, gate: str = "g1", **cfg) -> kvgate.Gate:
     """A sync gate on a client that ``backend()`` makes (the ``backend`` fixture, or a client
     class such as fakeredis.FakeRedis), with FAST waits unless ``cfg`` says otherwise."""
@@ -139,11 +162,7 @@ class Driver:
     def start(self, fn: Callable, *args, **kw) -> concurrent.futures.Future:
         """Start ``fn(*args, **kw)`` elsewhere (a thread, or a task on the helper loop): its future."""
         if self.kind == "sync":
-            ex = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-            try:
-                return ex.submit(fn, *args, **kw)
-            finally:
-                ex.shutdown(wait=False)
+            return in_thread(fn, *args, **kw)
 
         async def run():
             return await fn(*args, **kw)
@@ -152,11 +171,7 @@ class Driver:
     def call(self, fn: Callable, *args, timeout: float = HANG_S, **kw):
         """``fn(*args, **kw)``'s result; the test fails if it does not return within ``timeout``
         (a hang detector, not a latency assertion)."""
-        fut = self.start(fn, *args, **kw)
-        done, _ = concurrent.futures.wait([fut], timeout=timeout)
-        if not done:
-            pytest.fail(f"{getattr(fn, '__name__', fn)} did not return within {timeout}s (hang)")
-        return fut.result()  # (not result(timeout): AdmissionTimeout is a TimeoutError too)
+        return result_within(self.start(fn, *args, **kw), timeout, getattr(fn, "__name__", repr(fn)))
 
     def turn(self, gate, session_id: str, body: Callable = lambda lease: None, **kw):
         """One ``gate.turn(session_id, **kw)`` around ``body(lease)``: what the body returns
@@ -201,8 +216,11 @@ class Driver:
         return fut
 
     def close(self, gate) -> None:
-        """Close a gate of this kind (close() or aclose())."""
-        self(gate.close() if self.kind == "sync" else gate.aclose())
+        """Close a gate of this kind: close(), or aclose() (bounded)."""
+        if self.kind == "sync":
+            gate.close()
+        else:
+            self.call(gate.aclose)
 
     def stop(self) -> None:
         """Stop the helper loop (the fixture's teardown)."""
