@@ -28,8 +28,8 @@ import kvgate
 from kvgate.client.flows import BREAKER_S
 
 from _gatehelpers import HANG_S, bounded
+from _httphelpers import wait_until as _wait_until
 from conftest import start_redis
-from test_poller_support import wait_until as _wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_real]
 

@@ -19,7 +19,7 @@ import kvgate
 from kvgate.control.poller import Poller
 
 from _gatehelpers import ParkingGate, config, engines, ledger, mkgate, script, stat
-from test_poller_support import FakeHTTP, sglang_metrics, text
+from _httphelpers import FakeHTTP, sglang_metrics, text
 
 GRACE_S = 30.0
 POLL_S = 60.0          # a waiter re-checks on its own only this rarely
