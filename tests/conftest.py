@@ -7,6 +7,13 @@ port; `redis_url` hands each test a clean database on it.  `redis_cluster` start
 Where the binaries are missing the real-server tests skip, except under CI (the ``CI``
 environment variable set, as CI services do) or with ``KVGATE_REQUIRE_REDIS=1``: there
 they fail, so a CI image without redis-server cannot quietly drop that coverage.
+
+Markers say what a test needs, so ``-m`` selects by them: every test that starts a
+redis-server (through these fixtures, the ``backend`` fixture's "real" case, or
+``start_redis``) carries ``redis_real``, and every test on ``redis_cluster`` carries
+``cluster`` too. Collection stops on a test that uses those fixtures without its marker, and
+``start_redis`` fails a test that reaches it unmarked, so ``-m "not redis_real"`` runs where
+no redis-server binary exists.
 """
 from __future__ import annotations
 
@@ -30,6 +37,41 @@ RESERVED_PORTS = {6379}
 #: how many ports start_redis tries before giving up (another process may take a free port
 #: between the probe and redis-server's bind; redis-server then exits at once)
 START_ATTEMPTS = 5
+
+
+#: the fixtures that start a redis-server: a test that uses one is marked redis_real
+REAL_REDIS_FIXTURES = frozenset({"redis_server", "redis_url", "fresh_redis", "redis_cluster"})
+
+#: the test being set up or run (start_redis checks its markers)
+_running: dict = {"item": None}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Refuse a test whose markers do not say what it needs (see the module docstring)."""
+    wrong = []
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        real = bool(names & REAL_REDIS_FIXTURES) or params.get("backend") == "real"
+        if real and item.get_closest_marker("redis_real") is None:
+            wrong.append(f"{item.nodeid}: starts a redis-server, not marked redis_real")
+        if "redis_cluster" in names and item.get_closest_marker("cluster") is None:
+            wrong.append(f"{item.nodeid}: starts a Redis Cluster, not marked cluster")
+    if wrong:
+        raise pytest.UsageError("tests whose markers do not say what they need:\n  " + "\n  ".join(wrong))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _running["item"] = item
+
+
+def require_marker(name: str) -> None:
+    """Fail the running test unless it carries marker ``name`` (what it is about to start)."""
+    item = _running["item"]
+    if item is not None and item.get_closest_marker(name) is None:
+        pytest.fail(f"{item.nodeid} starts a {'Redis Cluster' if name == 'cluster' else 'redis-server'} "
+                    f"but is not marked {name}", pytrace=False)
 
 
 def redis_required() -> bool:
@@ -147,6 +189,7 @@ def start_redis(port: int | None = None, *extra: str, wait_s: float = 10.0,
     (the port was taken meanwhile) is retried on another port, ``attempts`` times. With a
     ``port`` (a restart on the same port) the same port is retried. ``{port}`` in an extra
     argument is replaced by the port tried (a cluster node's config file name)."""
+    require_marker("redis_real")
     if REDIS_BIN is None:
         require_binaries("redis-server")
     if port in RESERVED_PORTS:
@@ -192,6 +235,7 @@ def fresh_redis():
 @pytest.fixture(scope="session")
 def redis_cluster():
     """Three masters, no replicas, slots assigned with redis-cli --cluster create."""
+    require_marker("cluster")
     require_binaries("redis-server", "redis-cli")
     nodes = []
     try:
@@ -219,11 +263,11 @@ def redis_cluster():
             n.stop(signal.SIGKILL)
 
 
-# -- gate backends: one fixture for the scripts' tests ------------------------------------
-@pytest.fixture(params=["fake", "real"])
+# -- gate backends and drivers: one test body over several ------------------------------
+@pytest.fixture(params=["fake", pytest.param("real", marks=pytest.mark.redis_real)])
 def backend(request):
     """A factory of clients of one Redis: fakeredis (the fast layer), or the session's real
-    redis-server (every script also runs there)."""
+    redis-server (every script also runs there; the case is marked redis_real)."""
     from _gatehelpers import make_client
     if request.param == "real":
         url = request.getfixturevalue("redis_url")
@@ -231,6 +275,16 @@ def backend(request):
     import fakeredis
     server = make_client("fake", None).connection_pool.connection_kwargs["server"]
     return lambda: fakeredis.FakeRedis(server=server)
+
+
+@pytest.fixture(params=["sync", "async"])
+def driver(request):
+    """The sync or the async gate's driver (tests/_gatehelpers.py: Driver): one test body
+    for what both gates must do alike."""
+    from _gatehelpers import Driver
+    d = Driver(request.param)
+    yield d
+    d.stop()
 
 
 @pytest.fixture

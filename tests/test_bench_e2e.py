@@ -29,6 +29,7 @@ def _run(tmp_path, *extra):
     return rc, json.loads((out / "bench.json").read_text()), out
 
 
+@pytest.mark.redis_real
 def test_every_policy_end_to_end(tmp_path, redis_url):
     rc, data, out = _run(tmp_path, "--redis", redis_url)
     assert rc == 0
@@ -90,6 +91,7 @@ def test_embedded_fakeredis_fallback(tmp_path):
     assert all(p["turns_done"] == data["workload"]["turns"] for p in data["policies"])
 
 
+@pytest.mark.redis_real
 def test_rounds_run_every_policy_again_side_by_side(tmp_path, redis_url, capsys):
     out = tmp_path / "out"
     rc = bench_cli.main(["--sessions", "3", "--turns", "2", "--first-prompt", "100", "--tool-result", "10",
@@ -105,6 +107,7 @@ def test_rounds_run_every_policy_again_side_by_side(tmp_path, redis_url, capsys)
     assert "rounds, kvgate: x none" in capsys.readouterr().out
 
 
+@pytest.mark.redis_real
 def test_sim_prefill_metrics_give_the_gate_a_prefill_cost(tmp_path, redis_url):
     # the simulator's opt-in prefill time reaches the gate through the real poller, as vLLM's does
     out = tmp_path / "out"
@@ -186,6 +189,7 @@ def test_real_vllm_wrapper_rejects_bad_bench_arguments_before_starting_a_server(
     assert r.returncode == 2 and "unknown model 'bogus'" in r.stderr
 
 
+@pytest.mark.redis_real
 def test_gate_call_latency_script_runs_and_rejects_bad_arguments(redis_url, tmp_path):
     import ast
     import subprocess
@@ -270,6 +274,7 @@ def test_bad_policy_knob_value_fails_before_the_run(tmp_path, capsys):
     assert not (tmp_path / "bench.json").exists()
 
 
+@pytest.mark.redis_real
 def test_a_policy_with_its_own_knobs_runs_beside_the_default(tmp_path, redis_url):
     rc, data, _ = _run(tmp_path, "--redis", redis_url, "--policies", "kvgate,kvgate[max_wait_s=0,idle_grace_s=0]",
                        "--no-plots")
@@ -299,6 +304,7 @@ def test_default_cap_sweep_is_one_one_and_a_half_and_two_times_the_sessions_that
     assert default_caps(wl, None) == [10, 15, 20]
 
 
+@pytest.mark.redis_real
 def test_only_the_default_gate_is_judged_and_knob_policies_print_whole(tmp_path, redis_url, capsys):
     # a knob policy's name is rich markup ("[...]"): the table must print it whole; the targets
     # are judged on `kvgate` with default knobs alone
@@ -315,6 +321,7 @@ def test_only_the_default_gate_is_judged_and_knob_policies_print_whole(tmp_path,
     assert {c["check"].split(" ")[0] for c in data["checks"]} == {"kvgate"}
 
 
+@pytest.mark.redis_real
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_default_policies_are_every_kind_once(tmp_path, redis_url, scenario):
     # without --policies: every kind once, on every scenario and for a trace alike
@@ -336,6 +343,7 @@ def test_default_policies_are_every_kind_once(tmp_path, redis_url, scenario):
     assert [p["policy"] for p in json.loads((out / "bench.json").read_text())["policies"]] == base
 
 
+@pytest.mark.redis_real
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_every_scenario_runs_its_turns_on_the_simulator(tmp_path, redis_url, scenario):
     # each named scenario, shrunk, on its own simulator profile: every turn must reach the
@@ -364,6 +372,7 @@ def test_workload_vocab_follows_the_scenario_and_the_profile():
         scenarios.workload_vocab(parse(["--vocab", "1"]), SCENARIOS["default"])
 
 
+@pytest.mark.redis_real
 def test_failed_turns_fail_the_checks_and_the_exit_code(tmp_path, redis_url, capsys, monkeypatch):
     # ids outside the simulator's 1,000-token vocabulary: every turn is refused with a 400.
     # The bench now refuses such a --vocab before running (test_bench_inputs); the pre-run

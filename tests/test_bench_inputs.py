@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
-import socket
 import sys
 import threading
 
@@ -20,19 +19,12 @@ from kvgate.tools.bench.scenarios import SCENARIOS, build_workload
 from kvgate.tools.bench.sweep import default_caps
 from kvgate.tools.bench.workload import parse_trace
 
+from conftest import free_port
+
 pytestmark = pytest.mark.timeout(120)
 
 SMALL = ["--sessions", "2", "--turns", "2", "--first-prompt", "100", "--tool-result", "10", "--output", "4",
          "--time-scale", "0.01", "--no-progress", "--no-plots"]
-
-
-def _free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port != 6379:  # the machine's own Redis: never touched
-            return port
 
 
 def _main(capsys, argv):
@@ -101,7 +93,7 @@ def fake_engine(kind: str = "sglang", usage: bool = False, max_model_len: int | 
 # ---- 1. --redis -------------------------------------------------------------------------
 
 def test_a_redis_url_without_a_scheme_is_refused_before_any_policy_runs(tmp_path, capsys):
-    url = f"localhost:{_free_port()}"
+    url = f"localhost:{free_port()}"
     assert "--redis" in bench_cli.check_args(["--redis", url])  # a syntax error: found offline too
     rc, out = _main(capsys, [*SMALL, "--policies", "none,kvgate", "--redis", url, "--out", str(tmp_path / "o")])
     assert rc == 2
@@ -110,7 +102,7 @@ def test_a_redis_url_without_a_scheme_is_refused_before_any_policy_runs(tmp_path
 
 
 def test_a_redis_that_does_not_answer_is_refused_before_any_policy_runs(tmp_path, capsys):
-    url = f"redis://127.0.0.1:{_free_port()}/0"
+    url = f"redis://127.0.0.1:{free_port()}/0"
     rc, out = _main(capsys, [*SMALL, "--policies", "none,kvgate", "--redis", url, "--out", str(tmp_path / "o")])
     assert rc == 2
     assert "--redis" in out and "PING" in out and "Traceback" not in out
@@ -118,13 +110,13 @@ def test_a_redis_that_does_not_answer_is_refused_before_any_policy_runs(tmp_path
 
 
 def test_a_redis_password_is_not_printed(tmp_path, capsys):
-    url = f"redis://:s3cret-pw@127.0.0.1:{_free_port()}/0"
+    url = f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0"
     rc, out = _main(capsys, [*SMALL, "--policies", "kvgate", "--redis", url, "--out", str(tmp_path / "o")])
     assert rc == 2 and "s3cret-pw" not in out
 
 
 def test_a_redis_url_is_not_pinged_when_no_gate_policy_runs(tmp_path, capsys):
-    url = f"redis://127.0.0.1:{_free_port()}/0"  # nothing there, and nothing needs it
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing there, and nothing needs it
     rc, _ = _main(capsys, [*SMALL, "--policies", "none", "--redis", url, "--out", str(tmp_path / "o")])
     assert rc == 0
 
@@ -132,7 +124,7 @@ def test_a_redis_url_is_not_pinged_when_no_gate_policy_runs(tmp_path, capsys):
 # ---- 2. --engine ------------------------------------------------------------------------
 
 def test_an_engine_that_does_not_answer_is_refused_before_running(tmp_path, capsys):
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     rc, out = _main(capsys, [*SMALL, "--policies", "none", "--engine", url, "--engine-kind", "sglang",
                              "--out", str(tmp_path / "o")])
     assert rc == 2

@@ -126,6 +126,7 @@ TINY = ["--sessions", "4", "--turns", "2", "--first-prompt", "900", "--tool-resu
         "--time-scale", "0.01"]
 
 
+@pytest.mark.redis_real
 @pytest.mark.timeout(300)
 def test_a_tiny_matrix_runs_two_scenarios_in_two_rounds_end_to_end(tmp_path, redis_url):
     # through `kvgate bench`, as a user runs it (the kvgate command sets the log level to INFO):

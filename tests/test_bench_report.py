@@ -284,7 +284,7 @@ def test_the_step_ends_with_its_last_session_and_the_report_says_how_it_spent_it
     assert "admitted" not in out.split("step ended by s0-0 (none)")[1].split("step ended by")[0]  # ungated
 
 
-# --- review fixes: checks against what ran, preemption columns, block-rounded re-prefill, hit-rate source
+# --- checks against what ran, preemption columns, block-rounded re-prefill, the hit-rate source used
 
 
 def test_a_check_whose_reference_did_not_run_is_reported_as_not_made():

@@ -9,7 +9,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvgate.control.call_threads import CallThreads
-from test_poller_support import wait_until
+from _httphelpers import wait_until
 
 
 def test_a_call_returns_what_the_function_returns_or_raises():

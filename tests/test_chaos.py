@@ -1,10 +1,11 @@
 """Chaos: faults degrade to admission, never to an exception or a hang (SPEC section 8).
 
 Each test starts its own redis-server and breaks it: kill -9, SCRIPT FLUSH, a restart on
-the same port, CLIENT PAUSE; or kills a client process with SIGKILL while it waits or holds
-a lease; or cancels asyncio waiters, also at the very moment a grant arrives. Every call
-that could hang runs under a bound in the test (``bounded`` / ``asyncio.wait_for``); the
-bound is a hang detector, not a latency assertion. Poller death is covered in
+the same port, CLIENT PAUSE, each under both gates (one body, the ``driver`` fixture); or
+kills a client process with SIGKILL while it waits or holds a lease; or cancels asyncio
+waiters, or aborts sync ones, also at the very moment a grant arrives. Every call that could
+hang runs under a bound in the test (``bounded`` / ``driver.call`` / ``asyncio.wait_for``);
+the bound is a hang detector, not a latency assertion. Poller death is covered in
 tests/test_poller*.py.
 """
 from __future__ import annotations
@@ -26,15 +27,15 @@ import redis
 import kvgate
 from kvgate.client.flows import BREAKER_S
 
+from _gatehelpers import HANG_S, bounded
+from _httphelpers import wait_until as _wait_until
 from conftest import start_redis
-from test_poller_support import wait_until as _wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_real]
 
 CAP = 1000            # ceiling 900 tokens
 HOLD = 800            # a holder of HOLD leaves room for nothing of WAIT
 WAIT = 500
-HANG_S = 10.0         # a call that takes longer than this is a hang
 
 
 def _cfg(**kw) -> kvgate.GateConfig:
@@ -47,19 +48,6 @@ def _cfg(**kw) -> kvgate.GateConfig:
 def _engines(usage: float = 0.1):
     return [kvgate.EngineState("http://127.0.0.1:9401", capacity_tokens=CAP, usage=usage,
                                url="http://127.0.0.1:9401")]
-
-
-def bounded(fn, *args, timeout: float = HANG_S, **kw):
-    """Run ``fn`` in a thread; fail the test if it does not return within ``timeout``."""
-    ex = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    fut = ex.submit(fn, *args, **kw)
-    try:
-        done, _ = concurrent.futures.wait([fut], timeout=timeout)
-        if not done:
-            pytest.fail(f"{getattr(fn, '__name__', fn)} did not return within {timeout}s (hang)")
-        return fut.result()     # (not result(timeout): AdmissionTimeout is a TimeoutError too)
-    finally:
-        ex.shutdown(wait=False)
 
 
 def wait_until(pred, timeout: float = HANG_S, what: str = "condition"):
@@ -80,15 +68,18 @@ def _total(r: redis.Redis, g, field: str) -> int:
     return int(float(r.hget(g.key("totals"), field) or 0))
 
 
+def _degraded(lease) -> None:
+    assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+
+
 # -- kill -9 of Redis ------------------------------------------------------------------------
-def test_kill9_redis_turns_degrade_without_hang(fresh_redis):
-    g = kvgate.Gate.from_url(fresh_redis.url, gate="chaos", config=_cfg())
+def test_kill9_redis_turns_degrade_without_hang(fresh_redis, driver):
+    g = driver.from_url(fresh_redis.url, gate="chaos", config=_cfg())
     try:
-        g.write_snapshot(_engines())
-        holder = bounded(g.acquire, "holder", prompt_tokens=HOLD, max_new_tokens=0)
+        driver(g.write_snapshot(_engines()))
+        holder = driver.call(g.acquire, "holder", prompt_tokens=HOLD, max_new_tokens=0)
         assert (holder.outcome, holder.reason) == ("admit", "open")
-        ex = concurrent.futures.ThreadPoolExecutor(max_workers=5)
-        waiters = [ex.submit(g.acquire, f"waiter{i}", prompt_tokens=WAIT, max_new_tokens=0) for i in range(5)]
+        waiters = [driver.start(g.acquire, f"waiter{i}", prompt_tokens=WAIT, max_new_tokens=0) for i in range(5)]
         r = fresh_redis.client()
         wait_until(lambda: r.zcard(g.key("fifo")) == 5, what="the waiters to enqueue")
 
@@ -97,124 +88,66 @@ def test_kill9_redis_turns_degrade_without_hang(fresh_redis):
         done, _ = concurrent.futures.wait(waiters, timeout=HANG_S)   # their next re-checks find Redis gone
         assert len(done) == 5, "a waiter hung after Redis died"
         for w in waiters:
-            lease = w.result()
-            assert (lease.outcome, lease.reason) == ("bypass", "degraded")
-        ex.shutdown(wait=False)
+            _degraded(w.result())
         for i in range(3):
-            lease = bounded(g.acquire, f"new{i}", prompt_tokens=10, max_new_tokens=10)
-            assert (lease.outcome, lease.reason) == ("bypass", "degraded")
-            assert bounded(lease.release) is False
+            lease = driver.call(g.acquire, f"new{i}", prompt_tokens=10, max_new_tokens=10)
+            _degraded(lease)
+            assert driver.call(lease.release) is False
         # after the breaker period the gate tries Redis again, and still degrades
         time.sleep(BREAKER_S + 0.1)
-        with g.turn("after-breaker", prompt_tokens=10, max_new_tokens=10) as lease:
-            assert (lease.outcome, lease.reason) == ("bypass", "degraded")
-        assert bounded(holder.release) is False          # the TTL would reclaim it
-        out = bounded(g.finish_session, "holder")
+        driver.turn(g, "after-breaker", _degraded, prompt_tokens=10, max_new_tokens=10)
+        assert driver.call(holder.release) is False          # the TTL would reclaim it
+        out = driver.call(g.finish_session, "holder")
         assert "error" in out
-        m = bounded(g.step_metrics)
+        m = driver.call(g.step_metrics)
         assert m["agentic_kv/budget/degraded"] == 1.0
     finally:
-        g.close()
-
-
-def test_kill9_redis_async_turns_degrade_without_hang(fresh_redis):
-    async def main():
-        g = kvgate.AsyncGate.from_url(fresh_redis.url, gate="chaos", config=_cfg())
-        try:
-            await g.write_snapshot(_engines())
-            holder = await asyncio.wait_for(g.acquire("holder", prompt_tokens=HOLD, max_new_tokens=0), HANG_S)
-            assert holder.outcome == "admit"
-            waiters = [asyncio.ensure_future(g.acquire(f"waiter{i}", prompt_tokens=WAIT, max_new_tokens=0))
-                       for i in range(5)]
-            r = fresh_redis.client()
-            for _ in range(500):
-                if r.zcard(g.key("fifo")) == 5:
-                    break
-                await asyncio.sleep(0.02)
-            assert r.zcard(g.key("fifo")) == 5
-            fresh_redis.stop(signal.SIGKILL)
-            for lease in await asyncio.wait_for(asyncio.gather(*waiters), HANG_S):
-                assert (lease.outcome, lease.reason) == ("bypass", "degraded")
-            lease = await asyncio.wait_for(g.acquire("new", prompt_tokens=10, max_new_tokens=10), HANG_S)
-            assert (lease.outcome, lease.reason) == ("bypass", "degraded")
-            await asyncio.sleep(BREAKER_S + 0.1)
-            async with g.turn("after-breaker", prompt_tokens=10, max_new_tokens=10) as lease:
-                assert (lease.outcome, lease.reason) == ("bypass", "degraded")
-            assert await asyncio.wait_for(holder.release(), HANG_S) is False
-            out = await asyncio.wait_for(g.finish_session("holder"), HANG_S)
-            assert "error" in out
-            m = await asyncio.wait_for(g.step_metrics(), HANG_S)
-            assert m["agentic_kv/budget/degraded"] == 1.0
-        finally:
-            await asyncio.wait_for(g.aclose(), HANG_S)
-
-    asyncio.run(main())
+        driver.close(g)
 
 
 # -- SCRIPT FLUSH -----------------------------------------------------------------------------
-def test_script_flush_between_calls_reloads_and_decides(fresh_redis):
+def test_script_flush_between_calls_reloads_and_decides(fresh_redis, driver):
     r = fresh_redis.client()
-    g = kvgate.Gate.from_url(fresh_redis.url, gate="flush", config=_cfg())
+    g = driver.from_url(fresh_redis.url, gate="flush", config=_cfg())
     try:
-        g.write_snapshot(_engines())
         r.script_flush()
-        a = bounded(g.acquire, "a", prompt_tokens=HOLD, max_new_tokens=0)
+        driver(g.write_snapshot(_engines()))
+        r.script_flush()
+        a = driver.call(g.acquire, "a", prompt_tokens=HOLD, max_new_tokens=0)
         assert (a.outcome, a.reason) == ("admit", "open")
         r.script_flush()
         # B does not fit: the reloaded script must make it wait (not degrade), so it times out
         with pytest.raises(kvgate.AdmissionTimeout):
-            bounded(g.acquire, "b", prompt_tokens=WAIT, max_new_tokens=0, timeout_s=0.3)
+            driver.call(g.acquire, "b", prompt_tokens=WAIT, max_new_tokens=0, timeout_s=0.3)
         assert r.zcard(g.key("fifo")) == 0, "a timed-out waiter stays in the FIFO"
         r.script_flush()
-        assert bounded(a.release) is True
+        assert driver.call(a.release) is True
         r.script_flush()
-        c = bounded(g.acquire, "c", prompt_tokens=WAIT, max_new_tokens=0)
+        c = driver.call(g.acquire, "c", prompt_tokens=WAIT, max_new_tokens=0)
         assert (c.outcome, c.reason) == ("admit", "open")
         assert _ledger_consistent(r, g) == WAIT
         r.script_flush()
-        assert "error" not in bounded(g.finish_session, "c")
-        assert bounded(c.release) is True
+        assert "error" not in driver.call(g.finish_session, "c")
+        assert driver.call(c.release) is True
         r.script_flush()
-        assert bounded(g.housekeep, 10)["leases"] == 0
+        assert driver.call(g.housekeep, 10)["leases"] == 0
         r.script_flush()
-        assert bounded(g.step_metrics)["agentic_kv/budget/degraded"] == 0.0
+        assert driver.call(g.step_metrics)["agentic_kv/budget/degraded"] == 0.0
+        assert _ledger_consistent(r, g) == 0
+        r.script_flush()
+
+        def in_turn(d):
+            assert (d.outcome, d.reason) == ("admit", "open")
+            assert _ledger_consistent(r, g) == WAIT
+        driver.turn(g, "d", in_turn, prompt_tokens=WAIT, max_new_tokens=0)
         assert _ledger_consistent(r, g) == 0
         assert _total(r, g, "bypass_degraded") == 0
     finally:
-        g.close()
-
-
-def test_script_flush_async_gate(fresh_redis):
-    r = fresh_redis.client()
-
-    async def main():
-        g = kvgate.AsyncGate.from_url(fresh_redis.url, gate="flush", config=_cfg())
-        try:
-            r.script_flush()
-            await g.write_snapshot(_engines())
-            r.script_flush()
-            a = await asyncio.wait_for(g.acquire("a", prompt_tokens=HOLD, max_new_tokens=0), HANG_S)
-            assert (a.outcome, a.reason) == ("admit", "open")
-            r.script_flush()
-            with pytest.raises(kvgate.AdmissionTimeout):
-                await asyncio.wait_for(g.acquire("b", prompt_tokens=WAIT, max_new_tokens=0, timeout_s=0.3), HANG_S)
-            r.script_flush()
-            assert await a.release() is True
-            r.script_flush()
-            async with g.turn("c", prompt_tokens=WAIT, max_new_tokens=0) as c:
-                assert (c.outcome, c.reason) == ("admit", "open")
-                assert _ledger_consistent(r, g) == WAIT
-            assert _ledger_consistent(r, g) == 0
-            assert _total(r, g, "bypass_degraded") == 0
-        finally:
-            await g.aclose()
-
-    asyncio.run(main())
+        driver.close(g)
 
 
 # -- Redis restart on the same port ------------------------------------------------------------
-@pytest.mark.parametrize("flavor", ["sync", "async"])
-def test_redis_restart_same_port_recovers_from_new_snapshots(fresh_redis, flavor):
+def test_redis_restart_same_port_recovers_from_new_snapshots(fresh_redis, driver):
     port = fresh_redis.port
     restarted = None
 
@@ -229,57 +162,25 @@ def test_redis_restart_same_port_recovers_from_new_snapshots(fresh_redis, flavor
         assert _ledger_consistent(r, g) == new_ticket_need
         assert _total(r, g, "ledger_clamped") == 0
 
+    g = driver.from_url(fresh_redis.url, gate="restart", config=_cfg())
     try:
-        if flavor == "sync":
-            g = kvgate.Gate.from_url(fresh_redis.url, gate="restart", config=_cfg())
-            try:
-                g.write_snapshot(_engines())
-                old = bounded(g.acquire, "old", prompt_tokens=HOLD, max_new_tokens=0)
-                assert old.outcome == "admit"
-                r = restart()
-                # no snapshot in the new Redis (or the breaker is open): degraded, not stuck
-                lease = bounded(g.acquire, "x", prompt_tokens=10, max_new_tokens=0)
-                assert (lease.outcome, lease.reason) == ("bypass", "degraded")
-                time.sleep(BREAKER_S + 0.1)
-                lease = bounded(g.acquire, "x", prompt_tokens=10, max_new_tokens=0)
-                assert (lease.outcome, lease.reason) == ("bypass", "degraded")   # still no snapshot
-                wait_until(lambda: _try(g.write_snapshot, _engines()), what="a snapshot write after restart")
-                new = bounded(g.acquire, "new", prompt_tokens=WAIT, max_new_tokens=0)
-                assert (new.outcome, new.reason) == ("admit", "open")
-                assert bounded(old.release) is False     # unknown to the new Redis: nothing given back
-                check_after(r, g, WAIT)
-                assert bounded(new.release) is True
-                check_after(r, g, 0)
-            finally:
-                g.close()
-        else:
-            async def main():
-                g = kvgate.AsyncGate.from_url(fresh_redis.url, gate="restart", config=_cfg())
-                try:
-                    await g.write_snapshot(_engines())
-                    old = await asyncio.wait_for(g.acquire("old", prompt_tokens=HOLD, max_new_tokens=0), HANG_S)
-                    assert old.outcome == "admit"
-                    r = restart()
-                    lease = await asyncio.wait_for(g.acquire("x", prompt_tokens=10, max_new_tokens=0), HANG_S)
-                    assert (lease.outcome, lease.reason) == ("bypass", "degraded")
-                    await asyncio.sleep(BREAKER_S + 0.1)
-                    for _ in range(100):
-                        try:
-                            await asyncio.wait_for(g.write_snapshot(_engines()), HANG_S)
-                            break
-                        except redis.RedisError:
-                            await asyncio.sleep(0.05)
-                    new = await asyncio.wait_for(g.acquire("new", prompt_tokens=WAIT, max_new_tokens=0), HANG_S)
-                    assert (new.outcome, new.reason) == ("admit", "open")
-                    assert await asyncio.wait_for(old.release(), HANG_S) is False
-                    check_after(r, g, WAIT)
-                    assert await new.release() is True
-                    check_after(r, g, 0)
-                finally:
-                    await g.aclose()
-
-            asyncio.run(main())
+        driver(g.write_snapshot(_engines()))
+        old = driver.call(g.acquire, "old", prompt_tokens=HOLD, max_new_tokens=0)
+        assert old.outcome == "admit"
+        r = restart()
+        # no snapshot in the new Redis (or the breaker is open): degraded, not stuck
+        _degraded(driver.call(g.acquire, "x", prompt_tokens=10, max_new_tokens=0))
+        time.sleep(BREAKER_S + 0.1)
+        _degraded(driver.call(g.acquire, "x", prompt_tokens=10, max_new_tokens=0))   # still no snapshot
+        wait_until(lambda: _try(driver.call, g.write_snapshot, _engines()), what="a snapshot write after restart")
+        new = driver.call(g.acquire, "new", prompt_tokens=WAIT, max_new_tokens=0)
+        assert (new.outcome, new.reason) == ("admit", "open")
+        assert driver.call(old.release) is False     # unknown to the new Redis: nothing given back
+        check_after(r, g, WAIT)
+        assert driver.call(new.release) is True
+        check_after(r, g, 0)
     finally:
+        driver.close(g)
         if restarted is not None:
             restarted.stop(signal.SIGKILL)
 
@@ -293,46 +194,24 @@ def _try(fn, *a):
 
 
 # -- CLIENT PAUSE -----------------------------------------------------------------------------
-def test_client_pause_degrades_within_redis_timeout(fresh_redis):
-    cfg = _cfg(redis_timeout_s=0.3)
-    g = kvgate.Gate.from_url(fresh_redis.url, gate="pause", config=cfg)
+def test_client_pause_degrades_within_redis_timeout(fresh_redis, driver):
+    g = driver.from_url(fresh_redis.url, gate="pause", config=_cfg(redis_timeout_s=0.3))
     try:
-        g.write_snapshot(_engines())
-        assert bounded(g.acquire, "warm", prompt_tokens=10, max_new_tokens=0).outcome == "admit"
+        driver(g.write_snapshot(_engines()))
+        assert driver.call(g.acquire, "warm", prompt_tokens=10, max_new_tokens=0).outcome == "admit"
         fresh_redis.client().execute_command("CLIENT", "PAUSE", "3000", "ALL")
         t0 = time.monotonic()
         # "degraded" proves the call gave up on its command timeout (0.3 s): a call that had
         # waited for the 3 s pause to end would have been admitted
-        lease = bounded(g.acquire, "paused", prompt_tokens=10, max_new_tokens=0)
-        assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+        _degraded(driver.call(g.acquire, "paused", prompt_tokens=10, max_new_tokens=0))
         # while the breaker is open, turns degrade at once
-        lease = bounded(g.acquire, "paused2", prompt_tokens=10, max_new_tokens=0)
-        assert (lease.outcome, lease.reason) == ("bypass", "degraded")
+        _degraded(driver.call(g.acquire, "paused2", prompt_tokens=10, max_new_tokens=0))
         time.sleep(max(0.0, 3.2 - (time.monotonic() - t0)) + BREAKER_S)
-        lease = bounded(g.acquire, "resumed", prompt_tokens=10, max_new_tokens=0)
+        lease = driver.call(g.acquire, "resumed", prompt_tokens=10, max_new_tokens=0)
         assert (lease.outcome, lease.reason) == ("admit", "open")
-        lease.release()
+        driver.call(lease.release)
     finally:
-        g.close()
-
-
-def test_client_pause_async_gate(fresh_redis):
-    async def main():
-        g = kvgate.AsyncGate.from_url(fresh_redis.url, gate="pause", config=_cfg(redis_timeout_s=0.3))
-        try:
-            await g.write_snapshot(_engines())
-            fresh_redis.client().execute_command("CLIENT", "PAUSE", "3000", "ALL")
-            t0 = time.monotonic()
-            lease = await asyncio.wait_for(g.acquire("paused", prompt_tokens=10, max_new_tokens=0), HANG_S)
-            assert (lease.outcome, lease.reason) == ("bypass", "degraded")
-            await asyncio.sleep(max(0.0, 3.2 - (time.monotonic() - t0)) + BREAKER_S)
-            lease = await asyncio.wait_for(g.acquire("resumed", prompt_tokens=10, max_new_tokens=0), HANG_S)
-            assert (lease.outcome, lease.reason) == ("admit", "open")
-            await lease.release()
-        finally:
-            await asyncio.wait_for(g.aclose(), HANG_S)
-
-    asyncio.run(main())
+        driver.close(g)
 
 
 # -- client processes killed with SIGKILL --------------------------------------------------------

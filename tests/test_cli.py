@@ -15,15 +15,15 @@ import pytest
 import kvgate
 from kvgate.cli import add_knob_arguments, build_parser, config_from_args, main
 from kvgate.control.poller import leader_key
-from test_poller_support import (
+from _httphelpers import (
     FakeHTTP,
     RefusedPort,
     env_without_proxies,
-    free_port,
     sglang_metrics,
     text,
     wait_until,
 )
+from conftest import free_port
 
 
 def run_cli(*argv: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -7,11 +7,11 @@ Runs against the 3-master ``redis_cluster`` fixture with redis-py's ``RedisClust
   bump_epoch / drain_stats) runs through ``kvgate.Gate(RedisCluster(...))``, including a
   turn that waits in the FIFO and is granted by another turn's release;
 - two gates whose slots live on different nodes both work, independently;
-- the asyncio gate over ``redis.asyncio.cluster.RedisCluster`` decides turns too.
+- a gate from a cluster URL, sync or asyncio (``redis.asyncio.cluster.RedisCluster``),
+  does all of that too, and reports its status (one test body, the ``driver`` fixture).
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import json
 
@@ -22,9 +22,14 @@ from redis.cluster import RedisCluster
 import kvgate
 from kvgate import keys as kvkeys
 
+from _gatehelpers import Driver
+
 pytestmark = [pytest.mark.cluster, pytest.mark.redis_real]
 
 CAP = 1000
+
+#: the sync driver, for the tests on the sync gate alone
+SYNC = Driver("sync")
 
 
 def _cfg(**kw) -> kvgate.GateConfig:
@@ -67,42 +72,39 @@ def _gate_state(rc: RedisCluster, g: kvgate.Gate) -> dict:
             "waiters": rc.hlen(g.key("waiters")), "windows": rc.hlen(g.key("windows"))}
 
 
-def _exercise(rc: RedisCluster, g: kvgate.Gate) -> None:
-    """Run every script through the gate on the cluster and check what each did."""
-    snap = g.write_snapshot(_engines())                                     # write_snapshot
+def _exercise(rc: RedisCluster, g, driver: Driver) -> None:
+    """Run every script through the gate (of the driver's kind) on the cluster and check what
+    each did."""
+    snap = driver(g.write_snapshot(_engines()))                             # write_snapshot
     assert snap.capacity_tokens == CAP and snap.n_healthy == 1
-    a = g.acquire("a", prompt_tokens=800, max_new_tokens=0)                # acquire: open
+    a = driver.call(g.acquire, "a", prompt_tokens=800, max_new_tokens=0)   # acquire: open
     assert (a.outcome, a.reason) == ("admit", "open")
     # a turn that does not fit waits; the release grants it (advance + pub/sub or poll)
-    ex = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    try:
-        fut = ex.submit(g.acquire, "b", prompt_tokens=500, max_new_tokens=0)
-        for _ in range(500):
-            if rc.zcard(g.key("fifo")) == 1:
-                break
-            concurrent.futures.wait([fut], timeout=0.01)
-        assert rc.zcard(g.key("fifo")) == 1
-        assert a.release() is True                                          # release
-        b = fut.result(timeout=30)
-    finally:
-        ex.shutdown(wait=False)
+    fut = driver.start(g.acquire, "b", prompt_tokens=500, max_new_tokens=0)
+    for _ in range(500):
+        if rc.zcard(g.key("fifo")) == 1:
+            break
+        concurrent.futures.wait([fut], timeout=0.01)
+    assert rc.zcard(g.key("fifo")) == 1
+    assert driver(a.release()) is True                                      # release
+    b = fut.result(timeout=30)
     assert (b.outcome, b.reason) == ("admit", "open") and b.waited_s > 0
     # a caller timeout cancels its waiter                                    # cancel
     with pytest.raises(kvgate.AdmissionTimeout):
-        g.acquire("c", prompt_tokens=500, max_new_tokens=0, timeout_s=0.3)
+        driver(g.acquire("c", prompt_tokens=500, max_new_tokens=0, timeout_s=0.3))
     assert _gate_state(rc, g)["fifo"] == 0
-    assert b.release() is True
-    out = g.finish_session("b")                                             # finish_session
+    assert driver(b.release()) is True
+    out = driver(g.finish_session("b"))                                     # finish_session
     assert "error" not in out
-    hk = g.housekeep(10)                                                    # housekeep
+    hk = driver(g.housekeep(10))                                            # housekeep
     assert (hk["leases"], hk["windows"], hk["waiters"], hk["granted"]) == (0, 0, 0, 0), hk
-    ep = g.bump_epoch()                                                     # bump_epoch
+    ep = driver(g.bump_epoch())                                             # bump_epoch
     assert ep == 1
-    m = g.step_metrics()                                                    # drain_stats
+    m = driver(g.step_metrics())                                            # drain_stats
     assert m["agentic_kv/admission/admit"] == 2 and m["agentic_kv/budget/epoch"] == 1
     assert m["agentic_kv/budget/degraded"] == 0.0
-    assert g.engine_urls() == ["http://127.0.0.1:9501"]
-    g.record_close(2, 1)
+    assert driver(g.engine_urls()) == ["http://127.0.0.1:9501"]
+    driver(g.record_close(2, 1))
     assert _gate_state(rc, g) == {"reserved": 0, "leases": 0, "fifo": 0, "waiters": 0, "windows": 0}
     totals = rc.hgetall(g.key("totals"))
     assert totals.get("ledger_clamped") is None and totals["close"] == "2"
@@ -111,20 +113,19 @@ def _exercise(rc: RedisCluster, g: kvgate.Gate) -> None:
 def test_every_script_runs_on_the_cluster(cluster_client):
     g = kvgate.Gate(cluster_client, gate="cl-every", config=_cfg())
     try:
-        _exercise(cluster_client, g)
+        _exercise(cluster_client, g, SYNC)
     finally:
         g._listener.close()
 
 
-def test_gate_from_url_cluster(redis_cluster):
-    g = kvgate.Gate.from_url(f"redis://127.0.0.1:{redis_cluster[1].port}/0", gate="cl-url", config=_cfg(),
-                             cluster=True)
-    rc = RedisCluster(host="127.0.0.1", port=redis_cluster[1].port, decode_responses=True)
+def test_gate_from_url_on_the_cluster(redis_cluster, cluster_client, driver):
+    g = driver.from_url(f"redis://127.0.0.1:{redis_cluster[1].port}/0", gate=f"cl-url-{driver.kind}",
+                        config=_cfg(), cluster=True)
     try:
-        _exercise(rc, g)
+        _exercise(cluster_client, g, driver)
+        assert int(cluster_client.hget(g.key("ledger"), "reserved")) == 0
     finally:
-        g.close()
-        rc.close()
+        driver.close(g)
 
 
 def test_two_gates_on_different_nodes_both_work(cluster_client):
@@ -138,8 +139,8 @@ def test_two_gates_on_different_nodes_both_work(cluster_client):
     g1 = kvgate.Gate(cluster_client, gate=first, config=_cfg())
     g2 = kvgate.Gate(cluster_client, gate=second, config=_cfg())
     try:
-        _exercise(cluster_client, g1)
-        _exercise(cluster_client, g2)
+        _exercise(cluster_client, g1, SYNC)
+        _exercise(cluster_client, g2, SYNC)
         # independent ledgers: a lease on one gate is invisible to the other
         l1 = g1.acquire("s", prompt_tokens=800, max_new_tokens=0)
         l2 = g2.acquire("s", prompt_tokens=800, max_new_tokens=0)
@@ -160,59 +161,16 @@ def test_two_gates_on_different_nodes_both_work(cluster_client):
         g2._listener.close()
 
 
-def test_async_gate_on_the_cluster(redis_cluster, cluster_client):
-    async def main():
-        g = kvgate.AsyncGate.from_url(f"redis://127.0.0.1:{redis_cluster[2].port}/0", gate="cl-async",
-                                      config=_cfg(), cluster=True)
-        try:
-            snap = await g.write_snapshot(_engines())
-            assert snap.n_healthy == 1
-            a = await asyncio.wait_for(g.acquire("a", prompt_tokens=800, max_new_tokens=0), 10)
-            assert (a.outcome, a.reason) == ("admit", "open")
-            waiter = asyncio.ensure_future(g.acquire("b", prompt_tokens=500, max_new_tokens=0))
-            for _ in range(500):
-                if cluster_client.zcard(g.key("fifo")) == 1:
-                    break
-                await asyncio.sleep(0.01)
-            assert cluster_client.zcard(g.key("fifo")) == 1
-            assert await a.release() is True
-            b = await asyncio.wait_for(waiter, 30)
-            assert (b.outcome, b.reason) == ("admit", "open")
-            await b.release()
-            out = await g.finish_session("b")
-            assert "error" not in out
-            assert (await g.housekeep(10))["leases"] == 0
-            assert await g.bump_epoch() == 1
-            m = await g.step_metrics()
-            assert m["agentic_kv/admission/admit"] == 2
-            assert int(cluster_client.hget(g.key("ledger"), "reserved")) == 0
-        finally:
-            await asyncio.wait_for(g.aclose(), 10)
-
-    asyncio.run(main())
-
-
-def test_status_on_the_cluster(cluster_client):
-    g = kvgate.Gate(cluster_client, gate="cl-status", config=_cfg())
+def test_status_on_the_cluster(redis_cluster, driver):
+    g = driver.from_url(f"redis://127.0.0.1:{redis_cluster[0].port}/0", gate=f"cl-status-{driver.kind}",
+                        config=_cfg(), cluster=True)
     try:
-        g.write_snapshot(_engines())
-        lease = g.acquire("a", prompt_tokens=300, max_new_tokens=0)
-        st = g.status()
+        driver(g.write_snapshot(_engines()))
+        st = driver(g.status())
+        assert st["reserved"] == 0 and not st["degraded"]
+        lease = driver(g.acquire("a", prompt_tokens=300, max_new_tokens=0))
+        st = driver(g.status())
         assert st["reserved"] == 300 and st["leases"] == 1 and not st["degraded"]
-        lease.release()
+        driver(lease.release())
     finally:
-        g._listener.close()
-
-
-def test_async_status_on_the_cluster(redis_cluster):
-    async def main():
-        g = kvgate.AsyncGate.from_url(f"redis://127.0.0.1:{redis_cluster[0].port}/0", gate="cl-astatus",
-                                      config=_cfg(), cluster=True)
-        try:
-            await g.write_snapshot(_engines())
-            st = await g.status()
-            assert st["reserved"] == 0 and not st["degraded"]
-        finally:
-            await asyncio.wait_for(g.aclose(), 10)
-
-    asyncio.run(main())
+        driver.close(g)

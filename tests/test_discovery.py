@@ -15,7 +15,7 @@ from kvgate.control.discovery import (
     normalize_base_url,
     parse_workers,
 )
-from test_poller_support import FakeHTTP, RefusedPort, hang, html, huge, js, text
+from _httphelpers import FakeHTTP, RefusedPort, hang, html, huge, js, text
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from kvgate.control.discovery import Endpoint
 from kvgate.control.estimates import EngineEstimates
 from kvgate.control.promparse import parse_metrics
 from kvgate.control.scrape import ScrapeResult
-from test_poller_support import read_data, sglang_metrics
+from _httphelpers import read_data, sglang_metrics
 
 URL = "http://10.0.0.1:30000"
 

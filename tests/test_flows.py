@@ -15,8 +15,7 @@ from kvgate.client.flows import (BreakerOpen, Close, Command, Eval, GateFlows, I
                                  Probe, RedisDown, Wait)
 from kvgate.client.lifecycle import CloseResult
 
-FAST = dict(wait_poll_s=0.2, max_wait_s=2.0, staleness_s=6.0)
-TURN = dict(prompt_tokens=10, max_new_tokens=5)
+from _gatehelpers import FAST, TURN
 
 
 class Clock:

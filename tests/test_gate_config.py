@@ -121,6 +121,14 @@ def test_the_longest_times_are_still_accepted():
     assert (c.lease_ttl_s, c.idle_grace_s, c.max_wait_s, c.max_wait_hard_s) == (1e9, 1e9, 1e9, 1e9)
 
 
+def test_config_refuses_malformed_engine_urls_and_huge_decode_cap():
+    with pytest.raises(ValueError, match="scheme"):
+        GateConfig(engine_urls=("engine:30000",))
+    with pytest.raises(ValueError, match="expected_decode_cap"):
+        GateConfig(expected_decode_cap=2**31)
+    GateConfig(engine_urls=("http://engine:30000/",), expected_decode_cap=2**31 - 1)
+
+
 # -- knobs of a feature that is off: not validated (SPEC 6), so never used as given --------
 # An out-of-range value of a feature that is off is kept in the config as given (the test
 # above), and the gate uses the knob's default instead: the ceiling in step metrics and
@@ -190,7 +198,9 @@ def test_admission_off_with_a_bad_decode_cap_never_charges_less_than_the_prompt(
     g.write_snapshot([kvgate.EngineState("e1", capacity_tokens=10_000, usage=0.1, url="http://127.0.0.1:9")])
     with g.turn("s", prompt_tokens=100, max_new_tokens=50) as lease:
         assert lease.tokens == 150
-    assert int(g.redis.hget(g.key("ledger"), "reserved") or 0) >= 0
+    # the turn gave back what it took: nothing left, and no give-back clamped at zero
+    assert int(g.redis.hget(g.key("ledger"), "reserved") or 0) == 0
+    assert g.redis.hget(g.key("totals"), "ledger_clamped") is None
 
     async def run():
         try:

@@ -18,6 +18,8 @@ import pytest
 from kvgate.integrations.http_probe import HttpProbe
 from kvgate.client.probe import ProbeResult
 
+from conftest import free_port
+
 BLOCK = 16
 
 
@@ -109,10 +111,7 @@ def engines():
 
 
 def closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 PROMPT = list(range(100, 100 + 10 * BLOCK + 5))  # 10 full blocks + 5 tokens
@@ -411,7 +410,7 @@ def test_async_url_sources_are_awaited_by_aprobe(engines):
     assert r.hit_ratio is None and "aprobe" in r.detail
 
 
-# ------------------------------------------------------------------ fixes from a review (2026-12-02)
+# -- what a probe refuses, cuts short or drops, and what it still answers ---------------------------
 def test_one_engine_with_an_unusable_url_does_not_discard_the_others(engines):
     # httpx.InvalidURL (port out of range) is not an httpx.HTTPError: it used to escape the
     # worker and fail the whole probe, dropping the good engine's answer

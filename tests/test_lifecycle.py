@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from kvgate.client.lifecycle import CloseResult, aclose_session, close_session, with_session_id
-from test_poller_support import FakeHTTP, RefusedPort, Reply, hang, html
+from _httphelpers import FakeHTTP, RefusedPort, Reply, hang, html
 
 
 def test_with_session_id_copies():

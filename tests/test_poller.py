@@ -9,7 +9,7 @@ import pytest
 
 import kvgate
 from kvgate.control.poller import Poller, leader_key
-from test_poller_support import (
+from _httphelpers import (
     FakeHTTP,
     hang,
     html,
@@ -559,7 +559,7 @@ def test_unhealthy_after_must_be_a_positive_int(redis_url, bad):
         Poller(make_gate(redis_url), engines=["http://127.0.0.1:1"], unhealthy_after=bad)
 
 
-# -- review fixes ---------------------------------------------------------------------------------
+# -- epochs across outages, leadership terms, ticks that never hang; the poller's knobs and flags ----
 def test_epoch_bumps_when_every_engine_goes_down_and_comes_back(redis_url, servers):
     """SPEC 3: the epoch bumps whenever the healthy set changes, also through the empty set.
     Engines that all went down and came back restarted with an empty cache: the ownership

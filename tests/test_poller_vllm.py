@@ -26,7 +26,7 @@ import kvgate
 from kvgate.tools.vllm_testing import complete, start_server
 from kvgate.control.poller import Poller
 from kvgate.control.promparse import VLLM, parse_metrics
-from test_poller_support import DATA
+from _httphelpers import DATA
 
 BS = 32
 NUM_BLOCKS = 80

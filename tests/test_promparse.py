@@ -6,7 +6,7 @@ import math
 import pytest
 
 from kvgate.control.promparse import SGLANG, VLLM, MetricsParseError, parse_metrics
-from test_poller_support import DATA, read_data, sglang_metrics
+from _httphelpers import DATA, read_data, sglang_metrics
 
 
 def test_sglang_single_rank():

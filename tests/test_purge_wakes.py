@@ -11,7 +11,6 @@ redis-server (tests/conftest.py).
 from __future__ import annotations
 
 import contextlib
-
 import threading
 
 import pytest
@@ -19,8 +18,8 @@ import pytest
 import kvgate
 from kvgate.control.poller import Poller
 
-from _gatehelpers import engines, script
-from test_poller_support import FakeHTTP, sglang_metrics, text
+from _gatehelpers import ParkingGate, config, engines, ledger, mkgate, script, stat
+from _httphelpers import FakeHTTP, sglang_metrics, text
 
 GRACE_S = 30.0
 POLL_S = 60.0          # a waiter re-checks on its own only this rarely
@@ -29,47 +28,15 @@ CAP = 1000             # headroom 1.0: ceiling 1000 tokens
 OWNER = 900            # the idle window's charge: no room for WAITER behind it
 WAITER = 200
 
-
-def _config() -> kvgate.GateConfig:
-    return kvgate.GateConfig(headroom=1.0, idle_grace_s=GRACE_S, wait_poll_s=POLL_S, max_wait_s=2 * POLL_S,
-                             staleness_s=6.0)
-
-
-class _WatchedGate(kvgate.Gate):
-    """A waiter's gate (another process's, in production) that records its acquire replies,
-    so the test knows when the waiter is parked: its first call enqueues it, its second is
-    the re-check right after its pub/sub listener subscribed, after which it sleeps on its
-    event until a message names its ticket or a poll (60 s) passes."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.replies: list[tuple[str, dict]] = []
-        self._cv = threading.Condition()
-
-    def _eval(self, op):
-        r = super()._eval(op)
-        if op.script == "acquire":
-            with self._cv:
-                self.replies.append((op.params["ticket"], r))
-                self._cv.notify_all()
-        return r
-
-    def parked(self, timeout: float = 30.0) -> str:
-        """Wait (bounded) until the waiter made its two calls, both answered "wait"; its ticket."""
-        with self._cv:
-            ok = self._cv.wait_for(lambda: len(self.replies) >= 2, timeout)
-            replies = list(self.replies)
-        assert ok, f"the waiter did not park within {timeout}s: {replies}"
-        assert [r["o"] for _, r in replies[:2]] == ["wait", "wait"], replies
-        assert replies[0][1]["r"] == "capacity_exhausted", replies
-        return replies[0][0]
+#: the gate's knobs
+KNOBS = dict(headroom=1.0, idle_grace_s=GRACE_S, wait_poll_s=POLL_S, max_wait_s=2 * POLL_S, staleness_s=6.0)
 
 
 class _Waiter:
     """A turn of WAITER tokens acquiring on its own gate, in a thread."""
 
     def __init__(self, backend, clock):
-        self.gate = _WatchedGate(backend(), gate="pw", config=_config(), clock_ms=clock)
+        self.gate = ParkingGate(backend(), gate="pw", config=config(**KNOBS), clock_ms=clock)
         self.out: dict = {}
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -93,15 +60,7 @@ class _Waiter:
 
 
 def _gate(backend, clock) -> kvgate.Gate:
-    return kvgate.Gate(backend(), gate="pw", config=_config(), clock_ms=clock)
-
-
-def _ledger(g) -> int:
-    return int(g.redis.hget(g.key("ledger"), "reserved") or 0)
-
-
-def _stat(g, field: str) -> int:
-    return int(g.redis.hget(g.key("stats"), field) or 0)
+    return mkgate(backend, clock, gate="pw", **KNOBS)
 
 
 def _idle_window_and_parked_waiter(g, backend, clock) -> tuple[_Waiter, str]:
@@ -109,9 +68,10 @@ def _idle_window_and_parked_waiter(g, backend, clock) -> tuple[_Waiter, str]:
     owner = g.acquire("owner", prompt_tokens=OWNER, max_new_tokens=0)
     assert (owner.outcome, owner.reason) == ("admit", "open")
     owner.release()  # the window turns idle for idle_grace_s, still charged
-    assert g.redis.hexists(g.key("windows"), "owner") and _ledger(g) == OWNER
+    assert g.redis.hexists(g.key("windows"), "owner") and ledger(g) == OWNER
     w = _Waiter(backend, clock)
-    ticket = w.gate.parked()
+    ticket = w.gate.parked()  # enqueued, subscribed, and asleep until a message or its poll
+    assert w.gate.replies[0][1]["r"] == "capacity_exhausted", w.gate.replies
     assert g.redis.zrange(g.key("fifo"), 0, -1) == [ticket.encode()]
     return w, ticket
 
@@ -123,13 +83,13 @@ def _assert_granted_after_purge(g, w: _Waiter, ticket: str) -> None:
     rec = g.redis.hget(g.key("leases"), ticket)
     assert rec is not None and b'"c":0' in rec.replace(b" ", b"")  # granted, then claimed by its waiter
     assert not g.redis.hexists(g.key("windows"), "owner")
-    assert _stat(g, "window_expired") == 1
+    assert stat(g, "window_expired") == 1
     assert g.redis.zcard(g.key("fifo")) == 0
-    assert _ledger(g) == WAITER  # the owner's charge went back once; the waiter's window holds its own
+    assert ledger(g) == WAITER  # the owner's charge went back once; the waiter's window holds its own
     lease.release()
     for sid in ("owner", "waiter"):
         g.finish_session(sid)
-    assert _ledger(g) == 0
+    assert ledger(g) == 0
 
 
 @contextlib.contextmanager
@@ -145,7 +105,7 @@ def _grace_over(backend, clock):
         # the window still holds the ledger and the waiter still waits
         g.write_snapshot(engines(cap=CAP, usage=0.1))
         assert g.redis.hexists(g.key("windows"), "owner") and g.redis.zcard(g.key("fifo")) == 1
-        assert _stat(g, "window_expired") == 0
+        assert stat(g, "window_expired") == 0
         yield g, w, ticket
     finally:
         w.close()
@@ -215,10 +175,10 @@ def test_a_standby_poller_does_not_housekeep(backend, clock, engine):
         res = standby.tick()
         assert (res.leader, res.reason, res.wrote, res.housekeep) == (False, "standby", False, None)
         # nothing was purged or granted: the window still holds the ledger, the waiter waits
-        assert g.redis.hexists(g.key("windows"), "owner") and _ledger(g) == OWNER
+        assert g.redis.hexists(g.key("windows"), "owner") and ledger(g) == OWNER
         assert g.redis.zrange(g.key("fifo"), 0, -1) == [ticket.encode()]
         assert g.redis.hget(g.key("leases"), ticket) is None
-        assert _stat(g, "window_expired") == 0
+        assert stat(g, "window_expired") == 0
         assert w.thread.is_alive()
         # the leader steps down; the former standby's next tick leads, and housekeeps
         leader.release()

@@ -7,7 +7,7 @@ import httpx
 
 from kvgate.control.discovery import Endpoint
 from kvgate.control.scrape import scrape_engines
-from test_poller_support import FakeHTTP, RefusedPort, html, sglang_metrics, text
+from _httphelpers import FakeHTTP, RefusedPort, html, sglang_metrics, text
 
 
 def test_one_result_per_endpoint_in_order_and_the_router_s_verdict_is_not_asked():

@@ -11,11 +11,7 @@ import redis
 import kvgate
 from kvgate.client.flows import RedisDown
 
-from _gatehelpers import Clock, engines, script
-
-
-def mkgate(backend, clock, **cfg):
-    return kvgate.Gate(backend(), gate="sp", config=kvgate.GateConfig(wait_poll_s=0.2, **cfg), clock_ms=clock)
+from _gatehelpers import engines, mkgate, script
 
 
 def raw_call(g, name: str, params: dict) -> object:
@@ -24,7 +20,7 @@ def raw_call(g, name: str, params: dict) -> object:
 
 
 def test_a_missing_required_parameter_is_an_error_that_names_it(backend, clock):
-    g = mkgate(backend, clock)
+    g = mkgate(backend, clock, gate="sp")
     g.write_snapshot(engines(usage=0.1))
     knobs = dict(g._flows.knobs)
     turn = dict(ticket="t", session="s", need=10, prompt=10, protected=0, retain=0, probe=-2)
@@ -43,7 +39,7 @@ def test_a_missing_required_parameter_is_an_error_that_names_it(backend, clock):
 
 
 def test_optional_parameters_may_be_left_out(backend, clock):
-    g = mkgate(backend, clock)
+    g = mkgate(backend, clock, gate="sp")
     g.write_snapshot(engines(usage=0.1))
     # no prev_prompt, gap, t0 or age; no latency_ms or turn_index; no degraded; no measured_scale
     assert script(g, "acquire", ticket="t", session="s", need=10, probe=-2)["o"] == "admit"
@@ -53,7 +49,7 @@ def test_optional_parameters_may_be_left_out(backend, clock):
 
 
 def test_the_client_surfaces_a_missing_knob_as_it_surfaces_any_script_error(backend, clock):
-    g = mkgate(backend, clock)
+    g = mkgate(backend, clock, gate="sp")
     g.write_snapshot(engines(usage=0.1))
     del g._flows.knobs["staleness_ms"]
     # the turn path: a script error is a fault, so the turn fails open (SPEC 8)

@@ -1,7 +1,8 @@
 """SPEC section 8: "Redis server time is the one clock in production (no client skew)".
 
-A real redis-server (tests/conftest.py), no injected clock: the client process's wall clock
-(``time.time`` and ``time.time_ns``) is moved an hour ahead or behind. A snapshot written then
+A real redis-server (tests/conftest.py), no injected clock, both gates (the ``driver``
+fixture): the client process's wall clock (``time.time`` and ``time.time_ns``) is moved an
+hour ahead or behind. A snapshot written then
 still counts as fresh (the turn is admitted ``open``, never ``degraded``), and every time the
 scripts store (the snapshot's ``ts_ms``, the lease expiry in ``lease_exp``, an idle window's
 grace expiry in ``window_exp``, docs/keys.md) lies between two readings of Redis ``TIME``
@@ -9,7 +10,6 @@ taken around the call, an hour away from the client's clock.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -65,61 +65,33 @@ def _check_stored_times(r: redis.Redis, g, ticket: str, t_snap: tuple[int, int],
     assert t_acq[0] + TTL_S * 1000 <= exp <= t_acq[1] + TTL_S * 1000, (exp, t_acq)
 
 
-def test_sync_gate_uses_redis_time_not_the_clients(redis_url, skewed):
+def test_the_gate_uses_redis_time_not_the_clients(redis_url, skewed, driver):
     r = redis.Redis.from_url(redis_url)
     _check_clock(r, skewed)
-    g = kvgate.Gate.from_url(redis_url, gate="clock", config=_config())
+    g = driver.from_url(redis_url, gate="clock", config=_config())
     try:
         before = _server_ms(r)
-        g.write_snapshot(_engines())
+        driver(g.write_snapshot(_engines()))
         t_snap = (before, _server_ms(r))
         before = _server_ms(r)
-        lease = g.acquire("s", prompt_tokens=100, max_new_tokens=10)
+        lease = driver(g.acquire("s", prompt_tokens=100, max_new_tokens=10))
         t_acq = (before, _server_ms(r))
         assert (lease.outcome, lease.reason) == ("admit", "open")  # fresh, not "degraded"
-        st = g.status()
+        st = driver(g.status())
         assert not st["degraded"] and 0 <= st["snapshot_age_s"] < 60
         _check_stored_times(r, g, lease.ticket, t_snap, t_acq)
         # the idle window's grace runs on the server's clock too
         before = _server_ms(r)
-        lease.release()
+        driver(lease.release())
         t_rel = (before, _server_ms(r))
         x = r.zscore(g.key("window_exp"), "s")
         assert x is not None and t_rel[0] + GRACE_S * 1000 <= x <= t_rel[1] + GRACE_S * 1000, (x, t_rel)
         assert json.loads(r.hget(g.key("windows"), "s"))["x"] == x
         # and the next turn of the session re-enters its window (not expired by a skewed clock)
-        again = g.acquire("s", prompt_tokens=120, max_new_tokens=10)
+        again = driver(g.acquire("s", prompt_tokens=120, max_new_tokens=10))
         assert (again.outcome, again.reason) == ("admit", "reserved_session")
-        again.release()
-        assert g.finish_session("s")["window"] == 1
+        driver(again.release())
+        assert driver(g.finish_session("s"))["window"] == 1
     finally:
-        g.close()
-        r.close()
-
-
-def test_async_gate_uses_redis_time_not_the_clients(redis_url, skewed):
-    r = redis.Redis.from_url(redis_url)
-    _check_clock(r, skewed)
-
-    async def main() -> None:
-        g = kvgate.AsyncGate.from_url(redis_url, gate="aclock", config=_config())
-        try:
-            before = _server_ms(r)
-            await g.write_snapshot(_engines())
-            t_snap = (before, _server_ms(r))
-            before = _server_ms(r)
-            lease = await g.acquire("s", prompt_tokens=100, max_new_tokens=10)
-            t_acq = (before, _server_ms(r))
-            assert (lease.outcome, lease.reason) == ("admit", "open")
-            st = await g.status()
-            assert not st["degraded"] and 0 <= st["snapshot_age_s"] < 60
-            _check_stored_times(r, g, lease.ticket, t_snap, t_acq)
-            await lease.release()
-            assert (await g.finish_session("s"))["window"] == 1
-        finally:
-            await g.aclose()
-
-    try:
-        asyncio.run(main())
-    finally:
+        driver.close(g)
         r.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import threading
 
 import httpx
@@ -14,14 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvgate.tools.sim import (HttpPool, PrefixCache, RankScheduler, Req, SimCluster, available_profiles,
                         block_hashes, load_profile, output_tokens)
 
-B = 16
-SMALL = dict(kv_capacity_tokens=2048, block_size=B, context_length=None, max_running_requests=16)
-
-
-def client() -> httpx.Client:
-    tr = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-    return httpx.Client(trust_env=False, timeout=20.0, transport=tr)
-
+from _simhelpers import B, SMALL, client, rand_ids
 
 def gen(c: httpx.Client, url: str, ids, max_new=8, **extra) -> dict:
     r = c.post(url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": max_new,
@@ -44,11 +36,6 @@ def metric(m: dict, name: str, **labels) -> float:
     vals = [v for (n, ls), v in m.items() if n == name and set(labels.items()) <= ls]
     assert vals, f"no sample {name} {labels}"
     return max(vals)
-
-
-def rand_ids(seed: int, n: int) -> list:
-    r = random.Random(seed)
-    return [r.randrange(1000, 100000) for _ in range(n)]
 
 
 # ---------------------------------------------------------------- pure model

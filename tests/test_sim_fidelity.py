@@ -7,10 +7,8 @@ metric names and labels, proxy read timeouts, and the small routes and shapes.
 from __future__ import annotations
 
 import asyncio
-import random
 import socket
 import threading
-import time
 
 import httpx
 import pytest
@@ -18,19 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.tools.sim import PrefixCache, RankScheduler, Req, SimCluster, SimEngine, block_hashes, load_profile
 
-B = 16
-SMALL = dict(kv_capacity_tokens=2048, block_size=B, context_length=None, max_running_requests=16)
+from _httphelpers import wait_until
+from _simhelpers import B, SMALL, client, rand_ids
+
 TINY = dict(SMALL, kv_capacity_tokens=64 * B)           # 64 blocks
-
-
-def rand_ids(seed: int, n: int) -> list:
-    r = random.Random(seed)
-    return [r.randrange(1000, 100000) for _ in range(n)]
-
-
-def client(timeout: float = 20.0) -> httpx.Client:
-    tr = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-    return httpx.Client(trust_env=False, timeout=timeout, transport=tr)
 
 
 def gen(c: httpx.Client, url: str, ids, max_new=8, **extra) -> dict:
@@ -48,14 +37,6 @@ def drain(s: RankScheduler, limit: int = 100000) -> None:
         s.end_iteration(it)
         s.cache.check()
     raise AssertionError("the scheduler did not go idle")
-
-
-def wait_until(pred, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def samples(text: str) -> list:
@@ -128,7 +109,7 @@ def _post_and_hang_up(url: str, ids: list, max_new: int, running) -> None:
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        wait_until(running, 10.0, "the request to run")
+        wait_until(running, 10.0, what="the request to run")
 
 
 @pytest.mark.parametrize("via_router", [False, True])
@@ -143,7 +124,7 @@ def test_client_disconnect_aborts_the_request(monkeypatch, via_router):
             return sim.stats(0)["total"]
         # 1,900 decode steps of >= 13 ms: ~25 s of wall time if nobody aborts it
         _post_and_hang_up(sim.urls[0], rand_ids(1, 100), 1900, lambda: st()["num_running_reqs"] == 1)
-        wait_until(lambda: st()["num_aborted_requests"] == 1, 8.0, "the abort")
+        wait_until(lambda: st()["num_aborted_requests"] == 1, 8.0, what="the abort")
         assert st()["num_running_reqs"] == 0 and st()["num_requests"] == 0
         assert sim.stats(0)["ranks"][0]["num_used_tokens"] == 0
 
@@ -243,7 +224,7 @@ def test_router_read_timeout_is_a_504_and_the_worker_stays_healthy(monkeypatch):
         assert sim.call(lambda: sum(w.requests for w in sim.router.workers.values())) == 1  # no retry
         # the router closed the upstream connection: the engine aborts the request
         wait_until(lambda: sum(sim.stats(i)["total"]["num_aborted_requests"] for i in range(2)) == 1,
-                   8.0, "the engine to abort the timed-out request")
+                   8.0, what="the engine to abort the timed-out request")
 
 
 # ------------------------------------------------------------ 8. small things
@@ -278,12 +259,12 @@ def test_abort_request_matches_rid_prefixes_and_finish_reasons_have_sglang_shape
             eng.submit(rand_ids(seed, 100), 1500, rid=rid, on_done=lambda r: done.__setitem__(r.rid, r))
         for i, rid in enumerate(("job-1", "job-1-retry", "job-2")):   # job-2 waits: 2 run at most
             sim.call(submit, rid, i)
-        wait_until(lambda: sim.stats(0)["total"]["num_running_reqs"] == 2, 10.0, "two running")
+        wait_until(lambda: sim.stats(0)["total"]["num_running_reqs"] == 2, 10.0, what="two running")
         url = sim.engine_urls[0]
         assert c.post(url + "/abort_request", json={"rid": "job"}).status_code == 200   # no such rid
         assert c.post(url + "/abort_request", json={"rid": "job-1"}).status_code == 200
         # 1,500 decode steps of >= 13 ms: ~20 s unless aborted
-        wait_until(lambda: {"job-1", "job-1-retry"} <= set(done), 6.0, "both job-1 requests")
+        wait_until(lambda: {"job-1", "job-1-retry"} <= set(done), 6.0, what="both job-1 requests")
         for rid in ("job-1", "job-1-retry"):
             assert done[rid].finish_reason == {"type": "abort", "message": "Aborted",
                                                "status_code": None, "err_type": None}
@@ -291,9 +272,9 @@ def test_abort_request_matches_rid_prefixes_and_finish_reasons_have_sglang_shape
         # job-2 is admitted now; abort it, and a queued one, by exact rid
         sim.call(submit, "job-3", 3)
         sim.call(submit, "job-4", 4)
-        wait_until(lambda: sim.stats(0)["total"]["num_queue_reqs"] == 1, 10.0, "job-4 queued")
+        wait_until(lambda: sim.stats(0)["total"]["num_queue_reqs"] == 1, 10.0, what="job-4 queued")
         c.post(url + "/abort_request", json={"rid": "job-4"})
-        wait_until(lambda: "job-4" in done, 10.0, "job-4 aborted")
+        wait_until(lambda: "job-4" in done, 10.0, what="job-4 aborted")
         assert done["job-4"].finish_reason == {"type": "abort", "message": "Abort in waiting queue"}
 
 
@@ -326,9 +307,9 @@ def test_sim_stop_keeps_a_reference_to_its_task(monkeypatch):
     with SimCluster(1, time_scale=0.0, router=False, **SMALL) as sim, client() as c:
         assert c.post(sim.engine_urls[0] + "/sim/stop").status_code == 200
         wait_until(lambda: sim.call(lambda: len(getattr(sim, "_bg_tasks", ()))) == 1, 5.0,
-                   "the stop task to be held")
+                   what="the stop task to be held")
         gate.set()
-        wait_until(lambda: sim.call(lambda: len(sim._bg_tasks)) == 0, 5.0, "the stop task to finish")
+        wait_until(lambda: sim.call(lambda: len(sim._bg_tasks)) == 0, 5.0, what="the stop task to finish")
 
 
 def test_engine_without_http_keeps_working():

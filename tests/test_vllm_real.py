@@ -342,6 +342,7 @@ class RecordingProbe:
         return r
 
 
+@pytest.mark.redis_real
 def test_gate_admits_resident_prefixes_and_holds_cold_ones(server, http, redis_url):
     """Multi-turn sessions through kvgate.Gate with the HTTP probe, usage forced into the residency band
     (high_watermark 0.85 <= 0.9 < pressure_threshold 0.92): a turn whose prefix the engine holds is

@@ -1,4 +1,4 @@
-"""Loopback HTTP servers for the poller / discovery / lifecycle tests (no tests in here).
+"""Loopback HTTP servers and helpers for the poller, discovery, lifecycle and scrape tests.
 
 `FakeHTTP` is a real `ThreadingHTTPServer` bound to 127.0.0.1:0 (the kernel's free port,
 held from the start) whose routes are plain callables, switchable while it runs: a route can
@@ -21,14 +21,6 @@ DATA = Path(__file__).parent / "data"
 
 def read_data(name: str) -> str:
     return (DATA / name).read_text()
-
-
-def free_port() -> int:
-    """A port free right now, NOT held: only for a process that binds it itself and fails
-    loudly when it lost the race. For a dead URL use RefusedPort; for a server, bind port 0."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RefusedPort:

@@ -1,11 +1,14 @@
-"""The client layer around the scripts under faults: what a release, cancel or acquire does
-when Redis cannot answer, and input that must be refused before it reaches Redis.
+"""The client when Redis cannot answer: a fault opens the breaker and turns degrade at once;
+a release or cancel that missed Redis (never sent, or its reply lost) is deferred and sent
+once Redis answers, at the next call or at close, never twice and never unbounded; every
+call is bounded by redis_timeout_s (a stalled Redis, a cluster that cannot be reached, a
+client without a bound of its own is warned about); a waiter whose pub/sub cannot start
+polls instead of spinning.
 
 Each test names the way the ledger would go wrong without the behaviour it checks."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import warnings
 
@@ -13,13 +16,14 @@ import fakeredis
 import fakeredis.aioredis
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 import kvgate
-from kvgate.client.probe import ProbeResult
 
-from _gatehelpers import Clock, engines, script
+from _gatehelpers import FAST, TURN, config, engines, ledger
 
-FAST = dict(wait_poll_s=0.2, max_wait_s=2.0, staleness_s=6.0)
+#: a Redis stall (CLIENT PAUSE ... ALL; CLIENT UNPAUSE waits behind it too, so it just ends)
+PAUSE_MS = 9000
 
 
 class FlakyRedis(fakeredis.FakeRedis):
@@ -58,17 +62,8 @@ class AsyncFlakyRedis(fakeredis.aioredis.FakeRedis):
         return r
 
 
-def ledger(gate) -> int:
-    return int(gate.redis.hget(gate.key("ledger"), "reserved") or 0)
-
-
 def close_breaker(gate) -> None:
     gate._flows._breaker_until = 0.0  # as if BREAKER_S had passed
-
-
-@pytest.fixture
-def clock():
-    return Clock()
 
 
 #: plain leases (no ownership window), so a release gives the tokens straight back
@@ -80,7 +75,7 @@ def sync_gate(clock, **cfg):
                        config=kvgate.GateConfig(**{**FAST, **cfg}), clock_ms=clock)
 
 
-# -- releases and cancels that miss Redis are sent once it answers -------------------------
+# -- the breaker: releases and cancels that miss Redis are sent once it answers -----------
 def test_release_while_breaker_open_is_sent_later(clock):
     g = sync_gate(clock)
     g.write_snapshot(engines())
@@ -226,7 +221,90 @@ def test_async_cancel_while_breaker_open_is_sent_later():
     asyncio.run(main())
 
 
-# -- the sync gate's own bound is the client's ---------------------------------------------
+def test_redis_down_degrades_and_the_release_is_sent_later(driver):
+    g = driver.gate()
+    driver(g.write_snapshot(engines()))
+    lease = driver(g.acquire("s", retain_session=False, **TURN))
+    g._flows.trip()  # a fault elsewhere in this process
+    assert driver(g.acquire("t", **TURN)).reason == "degraded"
+    assert driver(lease.release()) is False and g.deferred_count == 1
+    g._flows._breaker_until = float("-inf")
+    driver(g.step_metrics())
+    assert g.deferred_count == 0 and int(driver(g.redis.hlen(g.key("leases")))) == 0
+    driver.close(g)
+
+
+def test_plain_commands_respect_the_breaker():
+    g = kvgate.Gate(fakeredis.FakeRedis(), gate="br", config=config(session_lifecycle=True))
+    calls = []
+    real_hget = g.redis.hget
+
+    def failing_hget(*a, **kw):
+        calls.append(a)
+        raise redis.ConnectionError("Redis went away")
+    g.redis.hget = failing_hget
+    assert g.num_preempted("s") == 0
+    assert g._flows.breaker_open()  # the fault tripped the breaker
+    n = len(calls)
+    assert g.num_preempted("s") == 0
+    assert len(calls) == n  # skipped while the breaker is open: no more time on a dead Redis
+    # the close targets are read past the breaker (a session's close must reach its engines)
+    assert g.engine_urls() == [] and len(calls) == n + 1
+    g.redis.hget = real_hget
+    g.close()
+
+
+# -- every call is bounded -----------------------------------------------------------------
+@pytest.mark.redis_real
+def test_finish_session_is_bounded_when_redis_stalls(redis_url):
+    # engine_urls() and record_close() used the client directly, with no deadline and past an
+    # open breaker: a stalled Redis held finish_session for as long as the stall
+    admin = redis.Redis.from_url(redis_url)
+
+    async def main():
+        client = aioredis.Redis.from_url(redis_url, socket_timeout=60)  # a long timeout of its own
+        g = kvgate.AsyncGate(client, gate="fs", config=config(session_lifecycle=True, redis_timeout_s=0.5))
+        await g.write_snapshot(engines(usage=0.1))
+        admin.execute_command("CLIENT", "PAUSE", str(PAUSE_MS), "ALL")
+        t0 = time.monotonic()
+        out = await asyncio.wait_for(g.finish_session("s"), 60)
+        took = time.monotonic() - t0
+        # the script call's deadline and the engine list's (1.5 s each; the counters skip Redis
+        # past the open breaker); before, the rest of the stall (a bound that guards a hang,
+        # with a wide margin, not a timing claim)
+        assert took < PAUSE_MS / 1000 - 3, took
+        # the engine list could not be read: a close that reached no engine, counted as failed
+        assert "error" in out and out["close"] == {"attempts": 1, "failures": 1}
+        await asyncio.sleep(PAUSE_MS / 1000 - took + 0.5)  # the pause is over
+        await g.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        admin.close()
+
+
+@pytest.mark.redis_real
+def test_num_preempted_is_bounded_when_redis_stalls(redis_url):
+    admin = redis.Redis.from_url(redis_url)
+
+    async def main():
+        g = kvgate.AsyncGate(aioredis.Redis.from_url(redis_url, socket_timeout=60), gate="np",
+                             config=config(redis_timeout_s=0.5))
+        admin.execute_command("CLIENT", "PAUSE", str(PAUSE_MS), "ALL")
+        t0 = time.monotonic()
+        n = await asyncio.wait_for(g.num_preempted("s"), 60)
+        took = time.monotonic() - t0
+        assert n == 0 and took < PAUSE_MS / 1000 - 3, took
+        await asyncio.sleep(PAUSE_MS / 1000 - took + 0.5)
+        await g.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        admin.close()
+
+
 def test_sync_gate_warns_about_a_client_without_a_bound():
     with pytest.warns(RuntimeWarning, match="socket_timeout=None"):
         kvgate.Gate(redis.Redis(host="127.0.0.1", port=1, socket_timeout=None), gate="g")
@@ -264,124 +342,32 @@ def test_sync_waiters_poll_when_pubsub_cannot_start(clock, monkeypatch):
     assert calls["acq"] <= 12 and calls["sub"] <= 6, calls  # one resubscribe try per poll at most
 
 
-# -- bounded probing in the sync gate ------------------------------------------------------
-class HangingProbe:
-    def __init__(self):
-        self.release = threading.Event()
-        self.calls = 0
+def test_cluster_clients_from_url_do_not_retry_timeouts():
+    # RedisCluster retries timeouts 10 times with backoff by default (~14 s per call on a
+    # stalled primary); from_url's clients get redis_timeout_s and no retries, as the plain one
+    import redis.asyncio.cluster as acluster
+    seen = {}
 
-    def probe(self, session_id, prompt_ids):
-        self.calls += 1
-        self.release.wait(10)
-        return ProbeResult(1.0)
+    def fake(cls_name):
+        def from_url(url, **kw):
+            seen[cls_name] = kw
+            raise RuntimeError("stop here")  # no cluster to connect to: the kwargs are what counts
+        return from_url
 
-
-def test_hanging_probe_does_not_queue_without_bound():
-    from kvgate.client.probe import PROBE_THREADS
-    p = HangingProbe()
-    g = kvgate.Gate(fakeredis.FakeRedis(), gate="g", config=kvgate.GateConfig(probe_timeout_s=0.05), probe=p)
-    from kvgate.client.flows import Probe
+    orig_sync, orig_async = redis.RedisCluster.from_url, acluster.RedisCluster.from_url
+    redis.RedisCluster.from_url, acluster.RedisCluster.from_url = fake("sync"), fake("async")
     try:
-        results = [g._probe(Probe(f"s{i}", [1] * 4))
-                   for i in range(PROBE_THREADS + 6)]
-        assert all(r.hit_ratio is None for r in results)
-        assert p.calls == PROBE_THREADS  # the rest answered "busy" at once, nothing queued
-        assert "busy" in results[-1].detail
+        for cls in (kvgate.Gate, kvgate.AsyncGate):
+            with pytest.raises(RuntimeError, match="stop here"):
+                cls.from_url("redis://127.0.0.1:7000/0", gate="g", cluster=True)
     finally:
-        p.release.set()
-    deadline = time.monotonic() + 5
-    while g._probe_threads.running and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert g._probe_threads.running == 0
-    g.close()
+        redis.RedisCluster.from_url, acluster.RedisCluster.from_url = orig_sync, orig_async
+    for kw in seen.values():
+        assert kw["retry"].get_retries() == 0 and kw["socket_timeout"] == 1.0
+    assert set(seen) == {"sync", "async"}
 
 
-# -- finish_session never raises on engine URLs, and does not wait for its own turn ---------
-def test_finish_session_inside_its_own_turn_does_not_wait_for_itself(clock):
-    g = kvgate.Gate(fakeredis.FakeRedis(), gate="g", clock_ms=clock,
-                    config=kvgate.GateConfig(session_lifecycle=True, close_timeout_s=30.0,
-                                             engine_urls=("http://127.0.0.1:1",)))
-    g.write_snapshot(engines())
-    t0 = time.monotonic()
-    with g.turn("s", prompt_tokens=10, max_new_tokens=0):
-        out = g.finish_session("s")
-    assert (out["joined"], out["aborted"]) == (0, 0)
-    # the close to port 1 fails fast (refused); a wait for the caller's own turn would last the
-    # whole close_timeout_s (30 s): half of it tells the two apart on any box
-    assert time.monotonic() - t0 < 15.0
-    assert out["close"] == {"attempts": 1, "failures": 1}
-
-
-def test_finish_session_counts_a_malformed_snapshot_url_as_a_failed_close(clock):
-    g = kvgate.Gate(fakeredis.FakeRedis(), gate="g", clock_ms=clock,
-                    config=kvgate.GateConfig(session_lifecycle=True, close_timeout_s=0.5))
-    g.write_snapshot(engines())
-    # a snapshot written by an older client, with a URL this version refuses
-    g.redis.hset(g.key("snapshot"), "engines", '[{"url": "10.0.0.5:30000"}]')
-    out = g.finish_session("s")  # no ValueError into the agent loop
-    assert out["close"] == {"attempts": 1, "failures": 1}
-
-
-# -- input refused before anything touches Redis -------------------------------------------
-@pytest.mark.parametrize("kw", [
-    dict(prompt_tokens=2**31, max_new_tokens=1),
-    dict(prompt_tokens=1, max_new_tokens=2**31),
-    dict(prompt_tokens=1, max_new_tokens=2**63 - 1),
-])
-def test_sizes_past_what_the_ledger_can_hold_are_refused(kw):
-    g = kvgate.Gate(fakeredis.FakeRedis(), gate="g")
-    g.write_snapshot(engines())
-    with pytest.raises(ValueError, match="more than a turn may claim"):
-        g.acquire("s", **kw)
-    assert g.redis.hget(g.key("ledger"), "reserved") is None
-    assert g.redis.hlen(g.key("leases")) == 0
-
-
-def test_largest_turn_keeps_the_ledger_exact(clock):
-    # at the bound, the charge and the refund are exact integers in the scripts
-    g = kvgate.Gate(fakeredis.FakeRedis(), gate="g", clock_ms=clock,
-                    config=kvgate.GateConfig(admission=False))
-    g.write_snapshot(engines(usage=0.9))
-    cap = 2**31 - 1
-    first = g.acquire("s", prompt_tokens=10, max_new_tokens=0, protected=False)
-    first.release()
-    lease = g.acquire("s", prompt_tokens=cap, max_new_tokens=cap)
-    assert lease.reason == "reserved_session" and ledger(g) == 2 * cap
-    lease.release()
-    g.finish_session("s")
-    assert ledger(g) == 0
-
-
-def test_lone_surrogate_session_id_is_refused():
-    g = kvgate.Gate(fakeredis.FakeRedis(), gate="g")
-    for call in (lambda: g.acquire("\ud800", prompt_tokens=1, max_new_tokens=1),
-                 lambda: g.finish_session("a\udcff"), lambda: g.num_preempted("\ud800")):
-        with pytest.raises(ValueError, match="lone surrogate"):
-            call()
-    assert g.redis.keys("*") == []
-
-
-@pytest.mark.parametrize("kw, match", [
-    (dict(capacity_tokens=2**36 + 1), "capacity_tokens"),
-    (dict(capacity_tokens=100, used_tokens=2**36 + 1), "used_tokens"),
-    (dict(capacity_tokens=100, used_tokens=True), "used_tokens"),
-    (dict(capacity_tokens=100, url="10.0.0.5:30000"), "url of e0"),
-    (dict(capacity_tokens=100, url="http://h:1/?q=1"), "url of e0"),
-])
-def test_engine_state_refuses_what_the_scripts_cannot_carry(kw, match):
-    with pytest.raises(ValueError, match=match):
-        kvgate.EngineState("e0", **kw)
-
-
-def test_config_refuses_malformed_engine_urls_and_huge_decode_cap():
-    with pytest.raises(ValueError, match="scheme"):
-        kvgate.GateConfig(engine_urls=("engine:30000",))
-    with pytest.raises(ValueError, match="expected_decode_cap"):
-        kvgate.GateConfig(expected_decode_cap=2**31)
-    kvgate.GateConfig(engine_urls=("http://engine:30000/",), expected_decode_cap=2**31 - 1)
-
-
-# -- fixes from a review of the client (2026-12-02) ---------------------------------------------
+# -- deferred give-backs survive what interrupts them, and close() sends them -------------
 def test_a_cluster_that_cannot_be_reached_degrades_and_defers(clock):
     # redis-py's RedisClusterException ("Redis Cluster cannot be connected") is a plain
     # Exception, not a RedisError: it escaped acquire and release into the agent loop, and the
@@ -414,31 +400,6 @@ def test_a_cluster_that_cannot_be_reached_degrades_and_defers(clock):
         await ag.aclose()
 
     asyncio.run(go())
-
-
-def test_cluster_clients_from_url_do_not_retry_timeouts():
-    # RedisCluster retries timeouts 10 times with backoff by default (~14 s per call on a
-    # stalled primary); from_url's clients get redis_timeout_s and no retries, as the plain one
-    import redis.asyncio.cluster as acluster
-    seen = {}
-
-    def fake(cls_name):
-        def from_url(url, **kw):
-            seen[cls_name] = kw
-            raise RuntimeError("stop here")  # no cluster to connect to: the kwargs are what counts
-        return from_url
-
-    orig_sync, orig_async = redis.RedisCluster.from_url, acluster.RedisCluster.from_url
-    redis.RedisCluster.from_url, acluster.RedisCluster.from_url = fake("sync"), fake("async")
-    try:
-        for cls in (kvgate.Gate, kvgate.AsyncGate):
-            with pytest.raises(RuntimeError, match="stop here"):
-                cls.from_url("redis://127.0.0.1:7000/0", gate="g", cluster=True)
-    finally:
-        redis.RedisCluster.from_url, acluster.RedisCluster.from_url = orig_sync, orig_async
-    for kw in seen.values():
-        assert kw["retry"].get_retries() == 0 and kw["socket_timeout"] == 1.0
-    assert set(seen) == {"sync", "async"}
 
 
 def test_a_flush_interrupted_by_anything_keeps_what_it_took(clock):
