@@ -109,10 +109,11 @@ def test_rounds_run_every_policy_again_side_by_side(tmp_path, redis_url, capsys)
 
 @pytest.mark.redis_real
 def test_sim_prefill_metrics_give_the_gate_a_prefill_cost(tmp_path, redis_url):
-    # the simulator's opt-in prefill time reaches the gate through the real poller, as vLLM's does
+    # the simulator's prefill time (on by default) reaches the gate through the real poller, as
+    # vLLM's does
     out = tmp_path / "out"
     rc = bench_cli.main(["--sessions", "4", "--turns", "4", "--first-prompt", "400", "--tool-result", "40",
-                         "--output", "8", "--time-scale", "0.1", "--policies", "kvgate", "--sim-prefill-metrics",
+                         "--output", "8", "--time-scale", "0.1", "--policies", "kvgate",
                          "--redis", redis_url, "--out", str(out), "--no-progress", "--no-plots"])
     assert rc == 0
     data = json.loads((out / "bench.json").read_text())
@@ -124,7 +125,8 @@ def test_sim_prefill_metrics_give_the_gate_a_prefill_cost(tmp_path, redis_url):
 @pytest.mark.parametrize("argv", [["--policies", "none,bogus"], ["--caps", "0"], ["--turns", "5-2"],
                                   ["--time-scale", "0"], ["--profile", "no-such-profile"],
                                   ["--engine", "ftp://x"], ["--knob", "headroom=7", "--policies", "kvgate"],
-                                  ["--rounds", "0"], ["--engine", "http://127.0.0.1:9", "--sim-prefill-metrics"]])
+                                  ["--rounds", "0"], ["--engine", "http://127.0.0.1:9", "--sim-prefill-metrics"],
+                                  ["--engine", "http://127.0.0.1:9", "--no-sim-prefill-metrics"]])
 def test_bad_arguments_exit_2_before_running(tmp_path, argv):
     assert bench_cli.main([*argv, "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     assert not (tmp_path / "o").exists()

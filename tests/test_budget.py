@@ -1,45 +1,61 @@
 """The budget controller (kvgate/control/budget.py) as pure code: scripted readings on a
-scripted clock, no Redis, no engines. It settles, holds under noise, follows a change of
-load, and fails open (to the seeds' ledger, scale 1) when its signals stop."""
+scripted clock, no Redis, no engines. It grows while the engines idle with turns waiting,
+backs off when re-prefill eats the engines' time (or, without prefill time, when the larger
+budget serves less history than the ledger did), settles, holds under noise, follows a change
+of load, and fails open (to the seeds' ledger, scale 1) when its signals stop."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from kvgate.control.budget import BACKOFF, IDLE_FLOOR, MIN_RELEASES, MIN_SCALE, BudgetController, Reading
+from kvgate.control.budget import (BACKOFF, IDLE_FLOOR, MIN_PREFILL_TOKENS, MIN_RELEASES, MIN_SCALE, THRASH,
+                                   BudgetController, Reading)
 
 
 class Gate:
     """A scripted gate: each step is one window of `releases` turns over `span_ms`, during
     which turns waited `waiting` of the time, the engines idled `idle` of it, and the engines
-    kept `retained` of the reusable history."""
+    kept `retained` of the reusable history. With `cost` (seconds per prefilled token) the
+    engines also report their prefill time, as vLLM and the simulator do."""
 
-    def __init__(self, held: int = 4, counters: bool = True):
+    def __init__(self, held: int = 4, counters: bool = True, cost: float | None = None):
         self.t = 1_700_000_000_000.0
         self.wait = self.idle = 0.0
         self.released = self.fresh = self.reusable = 0
         self.queries = self.hits = 0.0
+        self.prefill_s = 0.0
         self.held = held
         self.counters = counters
+        self.cost = cost
 
     def reading(self) -> Reading:
         return Reading(now_ms=self.t, wait_ms=self.wait, idle_ms=self.idle, released=self.released,
                        tok_fresh=self.fresh, tok_reusable=self.reusable, held=self.held,
                        engine_queries=self.queries if self.counters else None,
-                       engine_hits=self.hits if self.counters else None)
+                       engine_hits=self.hits if self.counters else None,
+                       engine_prefill_s=self.prefill_s if self.cost is not None else None)
 
-    def window(self, *, idle: float, retained: float, waiting: float = 1.0, span_ms: float = 10_000,
-               releases: int = MIN_RELEASES, reusable: int = 10_000, fresh: int = 1_000) -> Reading:
+    def window(self, *, idle: float, retained: float | None = None, waste: float | None = None,
+               waiting: float = 1.0, span_ms: float = 10_000, releases: int = MIN_RELEASES,
+               reusable: int = 10_000, fresh: int = 1_000, queued: float = 1.0) -> Reading:
+        """`waste` (with `cost`) sets the re-prefill share of the engines' time instead of
+        `retained`; `queued` inflates the prefill time the engines report (time in their queue)."""
         self.t += span_ms
         self.wait += waiting * span_ms
         self.idle += idle * span_ms
         self.released += releases
         self.fresh += fresh
         self.reusable += reusable
-        reprefilled = (1.0 - retained) * reusable
+        if waste is not None:
+            reprefilled = waste * span_ms / 1000.0 / self.cost
+            assert reprefilled <= reusable
+        else:
+            reprefilled = (1.0 - retained) * reusable
         self.queries += reusable + fresh
         self.hits += reusable - reprefilled
+        if self.cost is not None:
+            self.prefill_s += self.cost * (fresh + reprefilled) * queued
         return self.reading()
 
 
@@ -63,11 +79,12 @@ def test_few_held_sessions_still_need_min_releases():
     assert c.update(g.window(idle=0.5, retained=1.0, releases=1)) > 1.0
 
 
-def test_idle_engines_with_turns_waiting_grow_the_scale_by_the_idle_share():
+def test_idle_engines_with_turns_waiting_grow_the_scale_to_carry_the_idle_time():
     c, g = BudgetController(), Gate()
     start(c, g)
-    assert c.update(g.window(idle=0.25, retained=1.0)) == pytest.approx(1.25)
-    assert c.update(g.window(idle=0.1, retained=1.0)) == pytest.approx(1.25 * 1.1)
+    assert c.update(g.window(idle=0.25, retained=1.0)) == pytest.approx(1 / 0.75)
+    assert c.update(g.window(idle=0.1, retained=1.0)) == pytest.approx(1 / 0.75 / 0.9)
+    assert c.update(g.window(idle=0.9, retained=1.0)) == pytest.approx(2 / 0.75 / 0.9)  # at most double
 
 
 def test_busy_engines_and_a_kept_cache_hold_the_scale():
@@ -93,20 +110,20 @@ def test_idle_below_the_floor_is_jitter():
         assert c.update(g.window(idle=IDLE_FLOOR * 0.9, retained=0.9)) == 1.0
 
 
-def test_over_committing_that_thrashes_backs_off_to_the_ledger():
-    # the engines idled at scale 1, so the scale grew; at the larger scale the cache kept so
-    # little that the history served fell below what scale 1 served: back off
+def test_without_prefill_time_over_committing_that_thrashes_backs_off_to_the_ledger():
+    # no prefill time (SGLang): the engines idled at scale 1, so the scale grew; at the larger
+    # scale the cache kept so little that the history served fell below what scale 1 served
     c, g = BudgetController(), Gate()
     start(c, g)
-    assert c.update(g.window(idle=0.5, retained=0.95)) == pytest.approx(1.5)
+    assert c.update(g.window(idle=1 / 3, retained=0.95)) == pytest.approx(1.5)
     s = c.update(g.window(idle=0.0, retained=0.5))  # 1.5 x 0.5 = 0.75 < 0.95
     assert s == pytest.approx(max(1.0, 1.5 * BACKOFF)) and c.last.why == "backoff"
 
 
-def test_over_committing_that_keeps_more_history_is_kept():
+def test_without_prefill_time_over_committing_that_keeps_more_history_is_kept():
     c, g = BudgetController(), Gate()
     start(c, g)
-    c.update(g.window(idle=0.5, retained=0.95))
+    c.update(g.window(idle=1 / 3, retained=0.95))
     assert c.update(g.window(idle=0.0, retained=0.8)) == pytest.approx(1.5)  # 1.2 > 0.95: no back-off
 
 
@@ -140,9 +157,9 @@ def test_it_holds_under_noise():
     assert c.scale == pytest.approx(1.8)
 
 
-def test_it_follows_a_change_of_load():
+def test_without_prefill_time_it_follows_a_change_of_load():
     """The engines get faster mid-run (they idle again at the settled scale): it grows; then
-    slower (the larger scale thrashes): it backs off."""
+    slower (the larger scale thrashes): it backs off, to the ledger and no further."""
     c, g = BudgetController(), Gate()
     start(c, g)
     for _ in range(10):
@@ -193,7 +210,8 @@ def test_a_start_scale_that_is_not_finite_is_the_ledger():
 
 
 def test_after_a_back_off_it_grows_only_part_way_back():
-    # it thrashed at 2.0: back to 1.4, and idle engines later grow it to sqrt(0.7) x 2.0 at most
+    # it thrashed at 2.0 (without prefill time: the history served fell below the ledger's):
+    # back to 1.4, and idle engines later grow it to sqrt(0.7) x 2.0 at most
     c, g = BudgetController(2.0), Gate()
     start(c, g)
     c.update(g.window(idle=0.0, retained=0.3))
@@ -202,3 +220,75 @@ def test_after_a_back_off_it_grows_only_part_way_back():
         c.update(g.window(idle=0.5, retained=0.9))
     assert c.scale == pytest.approx(2.0 * BACKOFF ** 0.5)
     assert c.last.why == "hold"
+
+
+def test_re_prefill_that_eats_the_engines_time_backs_off_below_the_ledger():
+    # with prefill time the thrash is measured, not compared with the ledger: re-prefill took
+    # THRASH of the engines' time or more, so the held sessions are too many even at scale 1
+    c, g = BudgetController(), Gate(cost=0.001)
+    start(c, g)
+    assert c.update(g.window(idle=0.0, waste=THRASH)) == pytest.approx(BACKOFF)
+    assert c.last.why == "backoff" and c.last.waste == pytest.approx(THRASH)
+    for _ in range(20):
+        c.update(g.window(idle=0.0, waste=0.8))
+    assert c.scale == MIN_SCALE  # never below a quarter of the ledger
+
+
+def test_re_prefill_below_the_thrash_share_holds():
+    c, g = BudgetController(), Gate(cost=0.001)
+    start(c, g)
+    for _ in range(10):
+        assert c.update(g.window(idle=0.0, waste=THRASH * 0.9)) == 1.0
+    assert c.last.why == "hold"
+
+
+def test_idle_grows_the_scale_only_while_it_exceeds_the_waste():
+    # the engines idled 30% of the time but re-prefilled 40% of it: more sessions would add
+    # re-prefill, not work; and 40% is no thrash: the scale holds
+    c, g = BudgetController(), Gate(cost=0.001)
+    start(c, g)
+    assert c.update(g.window(idle=0.3, waste=0.4)) == 1.0 and c.last.why == "hold"
+    assert c.update(g.window(idle=0.3, waste=0.2)) == pytest.approx(1 / 0.7)
+    # and the engines idling more than re-prefilling is no thrash, however much they re-prefill
+    c2, g2 = BudgetController(), Gate(cost=0.001)
+    start(c2, g2)
+    assert c2.update(g2.window(idle=0.7, waste=0.6)) > 1.0
+
+
+def test_the_cost_of_a_token_is_the_least_any_window_measured():
+    # the engines' prefill time also counts time a request queued: a window that measured
+    # three times the cost does not triple the waste
+    c, g = BudgetController(), Gate(cost=0.001)
+    start(c, g)
+    c.update(g.window(idle=0.0, waste=0.3))
+    assert c.token_cost == pytest.approx(0.001)
+    c.update(g.window(idle=0.0, waste=0.3, queued=3.0))
+    assert c.token_cost == pytest.approx(0.001)
+    assert c.last.waste == pytest.approx(0.3) and c.scale == 1.0
+
+
+def test_too_few_prefilled_tokens_do_not_measure_the_cost():
+    c, g = BudgetController(), Gate(cost=0.001)
+    start(c, g)
+    c.update(g.window(idle=0.0, retained=1.0, fresh=MIN_PREFILL_TOKENS - 1))
+    assert c.token_cost is None and c.last.waste is None
+
+
+def test_with_prefill_time_it_settles_between_idle_and_thrash():
+    """A plant: the engines idle below scale 0.5 and re-prefill steeply above 0.7 (the held
+    sessions outgrow the cache): at the ledger they thrash. The scale falls from the ledger
+    into the band and stays there."""
+    def plant(scale):
+        idle = max(0.0, 0.6 * (0.5 - scale))
+        waste = 0.1 if scale <= 0.7 else min(0.95, 0.1 * (scale / 0.7) ** 8)
+        return idle, waste
+    c, g = BudgetController(), Gate(cost=0.001)
+    start(c, g)
+    trace = []
+    for _ in range(60):
+        idle, waste = plant(c.scale)
+        trace.append(c.update(g.window(idle=idle, waste=waste)))
+    assert trace[0] < 1.0
+    settled = trace[10:]
+    assert all(0.5 <= s <= 0.7 for s in settled), settled
+    assert max(settled) - min(settled) < 0.1, settled

@@ -62,12 +62,12 @@ def test_readings_grow_the_scale_from_the_published_one_and_an_epoch_resets_it(c
     assert asyncio.run(r.measure([scrape(0, 0)])) == 2.0  # no script ran yet: the published scale
     ledger(client, acc_ts=1000, acc_wait_ms=0, acc_idle_ms=0, n_released=0, tok_fresh=0, tok_reusable=0)
     assert asyncio.run(r.measure([scrape(0, 0)])) == 2.0  # the window's start
-    # 8 releases (MIN_RELEASES) over 10 s, 1 s of it idle with turns waiting: grows by 10 %
+    # 8 releases (MIN_RELEASES) over 10 s, 1 s of it idle with turns waiting: grows to carry it, x 1 / 0.9
     ledger(client, acc_ts=11_000, acc_wait_ms=5_000, acc_idle_ms=1_000, n_released=8)
-    assert asyncio.run(r.measure([scrape(100, 100)])) == pytest.approx(2.2)
+    assert asyncio.run(r.measure([scrape(100, 100)])) == pytest.approx(2.0 / 0.9)
     failed = ScrapeResult(Endpoint("http://10.0.0.2:8000"), error="timed out")
     ledger(client, acc_ts=21_000, acc_idle_ms=9_000, n_released=16)
-    assert asyncio.run(r.measure([scrape(100, 100), failed])) == pytest.approx(2.2)  # not read
+    assert asyncio.run(r.measure([scrape(100, 100), failed])) == pytest.approx(2.0 / 0.9)  # not read
     ledger(client, epoch=2)
     assert asyncio.run(r.measure([scrape(200, 200)])) == 1.0  # other engines: start over from the ledger
     r.new_term()

@@ -361,10 +361,12 @@ def test_async_agent_loop_example(redis_url, tmp_path):
 
 @pytest.mark.redis_real
 def test_async_agent_loop_cancelled_turns_leak_nothing(redis_url, tmp_path):
-    # deadlines shorter than one simulated decode (64 steps x ~13 ms x time scale 0.2 ~ 0.18 s):
-    # every attempt is cancelled, mid-generation or while waiting in the gate
+    # deadlines far shorter than one simulated decode (64 steps x >= 13 ms x time scale 1 >= 0.83 s;
+    # at the example's default scale of 0.2 the margin was small enough for a busy machine to let a
+    # lone retry finish): every attempt is cancelled, mid-generation or while waiting in the gate
     p = run_example("async_agent_loop", "--redis", redis_url, "--sessions", "6", "--turns", "2",
-                    "--turn-deadline-s", "0.1", "--max-attempts", "2", tmp_path=tmp_path)
+                    "--turn-deadline-s", "0.1", "--max-attempts", "2", "--sim-time-scale", "1.0",
+                    tmp_path=tmp_path)
     res = result_of(p)
     # the expected outcome, outright: each session's first turn is cancelled on both attempts,
     # the turn is given up, the session ends there; the run reports failure and exits 1

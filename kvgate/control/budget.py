@@ -9,17 +9,17 @@ in engine time:
 
 * **idle**: the share of the window's time the engines had no turn of the gate in flight
   while turns waited in the FIFO (the scripts integrate it exactly). It is work lost for
-  certain, and a re-prefill caused by admitting more sessions is at worst paid from it: the
-  scale grows by it, ``scale x (1 + idle)``.
+  certain: while it exceeds the waste below, the scale grows to carry the work that time
+  could have done, ``scale / (1 - idle)`` (at most doubling per window).
 * **waste**: the share of the engines' time spent re-prefilling histories they had already
   computed: the re-prefilled tokens (their prefix-cache counters against the fresh tokens the
   gate admitted) times the cost of a prefilled token, the least their prefill time per
   prefilled token has been in any window of this term (as BBR takes the least round trip: the
   engines' own counters also count time a request queued or shared its batch, which only ever
-  adds). With the engines
-  busy, a waste of half their time or more means the held sessions thrash: the scale backs
-  off, ``scale x 0.7``, and from then on grows no further than part-way back to where it
-  thrashed (BBR v2's ``inflight_hi``: a bound learned from loss, here from lost work).
+  adds). A waste of half the engines' time or more, above the idle share, means the held
+  sessions thrash: the scale backs off, ``scale x 0.7`` (down to a quarter of the ledger), and
+  from then on grows no further than part-way back to where it thrashed (BBR v2's
+  ``inflight_hi``: a bound learned from loss, here from lost work).
 
 A window closes once the sessions the gate held at its start have turned over once (as many
 releases as held sessions, at least ``MIN_RELEASES``): the controller's time constant is the
@@ -130,13 +130,15 @@ class BudgetController:
         if retained is not None and before <= 1.0:
             old = self.ledger_retained
             self.ledger_retained = retained if old is None else old + EWMA * (retained - old)
-        if idle is not None and idle >= IDLE_FLOOR:
-            # work lost for certain comes first: a re-prefill is at worst paid from idle time
+        busy_waste = waste if waste is not None else 0.0
+        if idle is not None and idle >= IDLE_FLOOR and idle > busy_waste:
+            # the engines lost more time idling with turns waiting than re-prefilling: used,
+            # that idle time would carry 1 / (1 - idle) times the work (at most double it)
             if before < self.limit:
-                return window(min(self.limit, before * (1.0 + idle)), "grow")
+                return window(min(self.limit, before / max(0.5, 1.0 - idle)), "grow")
             return window(before, "hold")
         if waste is not None:
-            thrash = waste >= THRASH
+            thrash = waste >= THRASH and waste > (idle or 0.0)
         else:
             # no prefill time: history served per unit of the seeds' ledger, against what the
             # ledger served (never below the ledger itself)
@@ -147,7 +149,6 @@ class BudgetController:
             floor = MIN_SCALE if waste is not None else 1.0
             return window(max(floor, before * BACKOFF), "backoff")
         return window(before, "hold")
-
 
     def _waste(self, s: Reading, r: Reading, span_ms: float) -> float | None:
         """The share of the engines' time spent re-prefilling (None without prefill time)."""

@@ -56,9 +56,6 @@ S_RETRACTED_TOTAL = "sglang:num_retracted_requests_total"  # counter (newer buil
 S_RETRACTED_GAUGE = "sglang:num_retracted_reqs"  # gauge (older builds, per interval)
 S_PROMPT_TOKENS = "sglang:prompt_tokens_total"  # prompt tokens looked up (the prefix-cache queries)
 S_CACHED_TOKENS = "sglang:cached_tokens_total"  # of those, found in the radix cache (the hits)
-# the sum of SGLang's time-to-first-token histogram: its one per-request prefill time (it
-# includes the wait in its queue, so the cost per token read from it is an upper bound)
-S_TTFT_SUM = "sglang:time_to_first_token_seconds_sum"
 S_AVAILABLE = "sglang:kv_available_tokens"
 S_EVICTABLE = "sglang:kv_evictable_tokens"
 
@@ -83,7 +80,7 @@ SIM_PREFILL_TOKENS = "kvgate_sim:prefill_computed_tokens_total"
 
 # every sample name parse_metrics reads: bodies are cut down to these before parsing
 _WANTED = frozenset({S_CAPACITY, S_USED, S_USAGE, S_RUNNING, S_QUEUED, S_HIT_RATE, S_RETRACTED_TOTAL,
-                     S_RETRACTED_GAUGE, S_AVAILABLE, S_EVICTABLE, S_PROMPT_TOKENS, S_CACHED_TOKENS, S_TTFT_SUM,
+                     S_RETRACTED_GAUGE, S_AVAILABLE, S_EVICTABLE, S_PROMPT_TOKENS, S_CACHED_TOKENS,
                      V_CACHE_INFO, V_USAGE, V_USAGE_OLD,
                      V_RUNNING, V_QUEUED, V_HITS, V_QUERIES, V_PREEMPTIONS, V_PREFILL_S,
                      V_PREFILL_TOKENS, SIM_PREFILL_S, SIM_PREFILL_TOKENS})
@@ -354,12 +351,10 @@ def _build_rank(kind: str, dp: str | None, g: _Group) -> RankMetrics:
         preempt = g.get(S_RETRACTED_TOTAL)
         if preempt is None:
             preempt = g.get(S_RETRACTED_GAUGE)
-        # prefill time: the simulator's own counters when it exports them, else SGLang's time
-        # to first token over the prompt tokens its cache did not hold
+        # SGLang exports no prefill time (its time to first token counts the queue: several
+        # times the prefill on a busy engine); the simulator can, under its own names
         prefill_s, prefill_tok = g.get(SIM_PREFILL_S), g.get(SIM_PREFILL_TOKENS)
         prompt, cached = g.get(S_PROMPT_TOKENS), g.get(S_CACHED_TOKENS)
-        if prefill_s is None and g.get(S_TTFT_SUM) is not None and prompt is not None and cached is not None:
-            prefill_s, prefill_tok = g.get(S_TTFT_SUM), max(0.0, prompt - cached)
         return RankMetrics(
             kind=kind,
             dp_rank=dp,

@@ -83,9 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--profile", help="simulator profile name or JSON path")
     eng.add_argument("--sim-engines", type=int, help="simulated engines behind the router")
     eng.add_argument("--kv-capacity", type=int, help="override the profile's KV pool per engine (tokens)")
-    eng.add_argument("--sim-prefill-metrics", action="store_true",
-                     help="the simulator exports its prefill time (SGLang does not; vLLM does), so the "
-                          "gate sees the prefill cost it would see on vLLM")
+    eng.add_argument("--sim-prefill-metrics", action=argparse.BooleanOptionalAction, default=None,
+                     help="the simulator exports its prefill time, as vLLM does (default: on; SGLang "
+                          "does not, and without it the gate's budget falls back: docs/budget.md)")
     eng.add_argument("--engine", nargs="+", metavar="URL",
                      help="real engine base URLs instead of the simulator")
     eng.add_argument("--engine-kind", choices=("vllm", "sglang"), default="vllm",
@@ -157,8 +157,8 @@ def scenario_changes(args: Any, sc: Any, *, time_scale: float, caps_run: Sequenc
         out += [f"{flag_name(d)} {getattr(args, d)}" for d, a in WORKLOAD_FLAGS if differs(d, a)]
     if not engine:
         out += [f"{flag_name(d)} {getattr(args, d)}" for d, a in SIM_FLAGS if differs(d, a)]
-        if getattr(args, "sim_prefill_metrics", False):
-            out.append("--sim-prefill-metrics")
+        if getattr(args, "sim_prefill_metrics", None) is False:
+            out.append("--no-sim-prefill-metrics")
     if time_scale != (1.0 if engine else sc.time_scale):
         out.append(f"--time-scale {time_scale:g}")
     if caps_run and sorted(set(caps_run)) != sorted(set(default_caps)):

@@ -135,7 +135,7 @@ def _plan(args: argparse.Namespace, name: str, policies_text: str, base_cfg: Any
             raise ValueError("--sim-engines must be >= 1")
         env = SimEnv(args.profile or sc.profile, engines, time_scale,
                      args.kv_capacity if args.kv_capacity is not None else sc.kv_capacity,
-                     prefill_metrics=args.sim_prefill_metrics)
+                     prefill_metrics=args.sim_prefill_metrics is not False)
         check_sim_fits(workload, env, vocab_given=args.vocab is not None)
         pool = env.pool_tokens
     sweep = _sweep(args, policies_text, workload, pool)
@@ -212,8 +212,8 @@ def _check_flag_combinations(args: argparse.Namespace) -> None:
                              f"sessions, turns, token counts and gaps")
     if args.engine:
         given = [flag_name(dest) for dest, _ in SIM_FLAGS if getattr(args, dest) is not None]
-        if args.sim_prefill_metrics:
-            given.append("--sim-prefill-metrics")
+        if args.sim_prefill_metrics is not None:
+            given.append("--sim-prefill-metrics" if args.sim_prefill_metrics else "--no-sim-prefill-metrics")
         if given:
             raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to the simulator, "
                              f"not to --engine URLs")

@@ -296,8 +296,6 @@ class SimEngine:
             "evicted_tokens": c.evicted_blocks * B,
             "prefill_computed_tokens": r.prefill_computed_tokens,
             "prefill_seconds_wall": r.prefill_seconds * self.time_scale,
-            "ttft_seconds_wall": r.ttft_seconds * self.time_scale,
-            "ttft_count": r.ttft_count,
             "decode_steps": r.step,
             "engine_time_s": r.clock,
         }
@@ -355,12 +353,6 @@ class SimEngine:
         fam("sglang:cached_tokens_total", "counter",
             "Number of cached prompt tokens by source (device/host/storage).",
             [(tok_labels + ',cache_source="device"', tot("cached_tokens"))])
-        # time to first token (SGLang's histogram; only its sum, count and +Inf bucket here)
-        out.append("# HELP sglang:time_to_first_token_seconds Histogram of time to first token in seconds.")
-        out.append("# TYPE sglang:time_to_first_token_seconds histogram")
-        out.append(f'sglang:time_to_first_token_seconds_bucket{{{tok_labels},le="+Inf"}} {float(tot("ttft_count"))!r}')
-        out.append(f"sglang:time_to_first_token_seconds_sum{{{tok_labels}}} {float(tot('ttft_seconds_wall'))!r}")
-        out.append(f"sglang:time_to_first_token_seconds_count{{{tok_labels}}} {float(tot('ttft_count'))!r}")
         fam("sglang:num_requests_total", "counter", "Number of requests processed.",
             [(stream_labels, tot("num_requests"))])
         fam("sglang:num_aborted_requests_total", "counter", "Number of requests aborted.",

@@ -171,8 +171,6 @@ class RankScheduler:
         self.retracted_output_tokens = 0
         self.prefill_computed_tokens = 0
         self.prefill_seconds = 0.0  # engine seconds of prefill, per request (as vLLM observes them)
-        self.ttft_seconds = 0.0     # engine seconds from submit to first token, summed (SGLang's TTFT)
-        self.ttft_count = 0
         self._hits: Deque[Tuple[int, int]] = deque()
         self._hit_sum = 0
         self._tok_sum = 0
@@ -378,8 +376,6 @@ class RankScheduler:
         if r.retractions == 0:
             self._record_hit(r.cached_tokens, r.prompt_len)
             r.t_first = self.clock
-            self.ttft_seconds += r.t_first - r.t_submit
-            self.ttft_count += 1
         if r.max_new > 0:
             r.gen += 1
         r.state = RUNNING
