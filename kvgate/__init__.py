@@ -7,11 +7,11 @@ Public surface::
     kvgate.GateConfig                     every knob, validated, KVGATE_* overrides
     kvgate.EngineState, SnapshotResult    capacity snapshots
     kvgate.ProbeResult, ResidencyProbe, AsyncResidencyProbe, FakeProbe   residency probes
-    kvgate.Preempted, AdmissionCancelled, AdmissionTimeout, KvgateError  exceptions
+    kvgate.Preempted, AdmissionCancelled, AdmissionTimeout, KvgateError, RedisAccessDenied  exceptions
 """
 from .client.aio import AsyncGate, AsyncLease
 from .config import GateConfig
-from .errors import AdmissionCancelled, AdmissionTimeout, KvgateError, Preempted, ScriptError
+from .errors import AdmissionCancelled, AdmissionTimeout, KvgateError, Preempted, RedisAccessDenied, ScriptError
 from .client.gate import Gate, Lease
 from .client.probe import UNAVAILABLE, AsyncResidencyProbe, FakeProbe, ProbeResult, ResidencyProbe
 from .client.snapshot import EngineState, SnapshotResult
@@ -22,4 +22,5 @@ __all__ = [
     "Gate", "AsyncGate", "Lease", "AsyncLease", "GateConfig", "EngineState", "SnapshotResult",
     "ProbeResult", "ResidencyProbe", "AsyncResidencyProbe", "FakeProbe", "UNAVAILABLE",
     "Preempted", "AdmissionCancelled", "AdmissionTimeout", "KvgateError", "ScriptError",
+    "RedisAccessDenied",
 ]

@@ -176,6 +176,7 @@ POLLER_ENV = {
 
 
 def cmd_poller(parser, args, cfg) -> int:
+    from kvgate import errors as kvgate_errors
     from kvgate.control.poller import Poller
 
     if not args.router and not args.engine:
@@ -216,7 +217,11 @@ def cmd_poller(parser, args, cfg) -> int:
         "poller %s for gate %s (%s), interval %.2fs, leader ttl %.1fs, http timeout %.1fs, concurrency %d",
         poller.identity, poller.name, args.router or ",".join(args.engine), poller.interval_s,
         poller.leader_ttl_s, poller.http_timeout_s, poller.concurrency)
-    poller.run(max_ticks=args.max_ticks)
+    try:
+        poller.run(max_ticks=args.max_ticks)
+    except kvgate_errors.RedisAccessDenied as e:  # a configuration error: one line, not a trace
+        print(f"kvgate poller: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

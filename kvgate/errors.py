@@ -28,3 +28,14 @@ class AdmissionTimeout(KvgateError, TimeoutError):
 
 class ScriptError(KvgateError):
     """A kvgate Lua script returned something it should not have (a bug, not a fault)."""
+
+
+class RedisAccessDenied(KvgateError):
+    """Redis refused kvgate's user: NOPERM (the ACL user lacks a command, a key pattern or a
+    channel kvgate needs; docs/deploy.md#acl) or a failed AUTH. A configuration error, raised
+    rather than failed open on: a gate that bypassed every turn as ``degraded`` would hide it
+    for as long as the process runs. ``error`` is what redis-py raised."""
+
+    def __init__(self, message: str, error: BaseException | None = None):
+        super().__init__(message)
+        self.error = error

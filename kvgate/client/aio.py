@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator, Callable, Generator
 
 import redis.asyncio as aioredis
 
+from . import access
 from . import base as _base
 from .base import GateBase, Lease, json_reply, ticket_to_wake, wait_step
 from .flows import Eval, Probe, RedisDown, Run
@@ -135,6 +136,8 @@ class AsyncGate(GateBase):
         try:
             raw = await wait_for(self._scripts[op.script](keys=self._keys, args=list(op.argv)), self._deadline_s())
         except (*REDIS_ERRORS, ValueError) as e:  # ValueError: a socket closed under the call
+            if access.is_refusal(e):
+                raise await self._refused(e) from e  # a configuration error, not a fault
             raise RedisDown(str(e) or type(e).__name__, e) from e
         return json_reply(raw)
 
@@ -143,7 +146,17 @@ class AsyncGate(GateBase):
         try:
             return await wait_for(self._send_commands(op), self._deadline_s())
         except REDIS_ERRORS as e:
+            if access.is_refusal(e):
+                raise await self._refused(e) from e
             raise RedisDown(str(e) or type(e).__name__, e) from e
+
+    async def _refused(self, error: BaseException) -> RedisDown:
+        """See ``Gate._refused``."""
+        probe, replies = self._access_probe(error), None
+        if probe is not None:
+            with contextlib.suppress(*REDIS_ERRORS):
+                replies = await wait_for(self._send_commands(probe, raise_on_error=False), self._deadline_s())
+        return self._denied(error, probe, replies)
 
     async def _wait(self, ev: asyncio.Event, timeout_s: float, abort_event: Any) -> str:
         if self._listener.ensure_started():

@@ -12,7 +12,8 @@ import redis
 
 from .. import keys as _keys
 from ..config import GateConfig
-from .flows import Command, Decision, GateFlows, Pipeline
+from . import access
+from .flows import AccessDenied, Command, Decision, GateFlows, Pipeline
 from .probe import as_probe
 from .scripts import SCRIPT_NAMES, script_source
 from .snapshot import EngineState
@@ -114,15 +115,28 @@ class GateBase:
         deadline on each call, the sync close()'s wait for calls on the wire."""
         return self.config.redis_timeout_s * 2 + 0.5
 
-    def _send_commands(self, op: Command | Pipeline) -> Any:
+    def _send_commands(self, op: Command | Pipeline, raise_on_error: bool = True) -> Any:
         """Send plain commands with the driver's client: the reply (a sync client) or an
-        awaitable of it (an asyncio client)."""
+        awaitable of it (an asyncio client). ``raise_on_error=False``: a pipeline's failed
+        commands answer their exception (the access probe reads each)."""
         if isinstance(op, Command):
             return getattr(self.redis, op.name)(*op.args, **op.kwargs)
         p = self.redis.pipeline(transaction=False)
         for c in op.commands:
             getattr(p, c.name)(*c.args, **c.kwargs)
-        return p.execute()
+        return p.execute(raise_on_error=raise_on_error)
+
+    def _access_probe(self, error: BaseException) -> Pipeline | None:
+        """The probe that names what a refusal refused, or None when none can be sent (a
+        failed AUTH: no connection would be accepted)."""
+        if isinstance(error, redis.exceptions.AuthenticationError):
+            return None
+        return access.probe_commands(self.name)
+
+    def _denied(self, error: BaseException, probe: Pipeline | None, replies: Any) -> AccessDenied:
+        """What a driver throws into the flow for a refusal (``replies``: the probe's, or None)."""
+        refused = access.refused_in(probe, replies) if probe is not None and replies is not None else None
+        return AccessDenied(access.refusal_message(self.name, error, refused), error)
 
     # -- the public surface, once for both drivers ------------------------------------------
     def acquire(self, session_id: str, *, max_new_tokens: int, prompt_ids: Sequence[int] | None = None,

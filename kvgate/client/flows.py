@@ -7,7 +7,9 @@ what the public method returns. ``Gate._run`` and ``AsyncGate._run`` are the two
 loop each that performs the operations with blocking or asyncio I/O.
 
 When Redis cannot answer an ``Eval``, ``Command`` or ``Pipeline``, the driver throws
-``RedisDown`` into the flow instead of a result. When anything else stops the driver
+``RedisDown`` into the flow instead of a result; when Redis refuses it (NOPERM, a failed
+AUTH), ``AccessDenied``, and the flow raises ``kvgate.RedisAccessDenied`` (a configuration
+error does not fail open: kvgate/client/access.py). When anything else stops the driver
 mid-operation (``KeyboardInterrupt``, asyncio cancellation), it throws ``Interrupted``: the
 flow gives back what its ticket may hold, and the driver then raises the original exception.
 
@@ -35,7 +37,7 @@ from typing import Any, Callable, Generator, Sequence
 from .. import keys as _keys
 from .._urls import normalize_base_url
 from ..config import GateConfig
-from ..errors import AdmissionCancelled, AdmissionTimeout, Preempted, ScriptError
+from ..errors import AdmissionCancelled, AdmissionTimeout, Preempted, RedisAccessDenied, ScriptError
 from . import metrics
 from .probe import UNAVAILABLE, ProbeResult
 from .snapshot import EngineState, SnapshotResult
@@ -131,6 +133,12 @@ class RedisDown(Exception):
     def __init__(self, message: str, error: BaseException | None = None):
         super().__init__(message)
         self.error = error
+
+
+class AccessDenied(RedisDown):
+    """Redis refused the call (NOPERM, a failed AUTH: kvgate/client/access.py): not a fault,
+    so the flow raises ``RedisAccessDenied`` instead of failing open; the message names what
+    is missing."""
 
 
 class BreakerOpen(RedisDown):
@@ -692,6 +700,8 @@ class GateFlows:
             yield from self.flush()
         try:
             return (yield self.eval_op(name, params))
+        except AccessDenied as e:
+            raise RedisAccessDenied(str(e), e.error) from e.error
         except RedisDown:
             self.trip()
             raise
@@ -703,6 +713,8 @@ class GateFlows:
             raise BreakerOpen("breaker open after a recent Redis fault")
         try:
             return (yield op)
+        except AccessDenied as e:
+            raise RedisAccessDenied(str(e), e.error) from e.error
         except RedisDown:
             self.trip()
             raise
@@ -712,6 +724,8 @@ class GateFlows:
         """An operator's call: past the breaker, and a fault is raised as the client raised it."""
         try:
             return (yield op)
+        except AccessDenied as e:
+            raise RedisAccessDenied(str(e), e.error) from e.error
         except RedisDown as e:
             raise (e.error or e) from None
 

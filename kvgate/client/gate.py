@@ -12,6 +12,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from . import access
 from .base import REDIS_ERRORS, GateBase, Lease, json_reply, ticket_to_wake, wait_step
 from .flows import Eval, Probe, RedisDown, Run
 from .lifecycle import CloseResult, close_session
@@ -98,6 +99,8 @@ class Gate(GateBase):
         try:
             raw = self._scripts[op.script](keys=self._keys, args=list(op.argv))
         except Exception as e:  # noqa: BLE001 - only the call is in here: any failure of it is a fault
+            if access.is_refusal(e):
+                raise self._refused(e) from e  # a configuration error, not a fault
             # REDIS_ERRORS, and what a client closed under the call raises ("I/O operation on
             # closed file" is a ValueError): the agent loop must never see it (SPEC 8)
             raise RedisDown(str(e) or type(e).__name__, e) from e
@@ -111,7 +114,18 @@ class Gate(GateBase):
         try:
             return self._send_commands(op)
         except REDIS_ERRORS as e:
+            if access.is_refusal(e):
+                raise self._refused(e) from e
             raise RedisDown(str(e) or type(e).__name__, e) from e
+
+    def _refused(self, error: BaseException) -> RedisDown:
+        """A refusal, with what the access probe finds refused (best effort: the probe's own
+        faults leave Redis's words alone)."""
+        probe, replies = self._access_probe(error), None
+        if probe is not None:
+            with contextlib.suppress(*REDIS_ERRORS):
+                replies = self._send_commands(probe, raise_on_error=False)
+        return self._denied(error, probe, replies)
 
     def _wait(self, ev: threading.Event, timeout_s: float, abort_event: Any) -> str:
         if self._listener.ensure_started():

@@ -18,7 +18,9 @@ from typing import Any
 from redis.exceptions import LockError, RedisError
 
 from kvgate import keys
+from kvgate.client import access
 from kvgate.control.call_threads import CallThreads
+from kvgate.errors import RedisAccessDenied
 
 # the poller's logger, not this module's: all a poller says is filed under that one name (as
 # kvgate/cli.py's own lines about it are), for operators to filter and set levels by
@@ -73,6 +75,12 @@ class LeaderLease:
         try:
             got = await self.calls.call(self._take_or_extend)
         except RedisError as e:
+            if access.is_refusal(e):
+                # a poller that stayed a standby on it would never write, and say only why
+                # in a warning per tick: the ACL is wrong, so stop (docs/deploy.md#acl)
+                raise RedisAccessDenied(f"poller {self.identity}: Redis refused the leader lease on "
+                                        f"{self.key}: {type(e).__name__}: {e}. Grant the ACL in "
+                                        f"docs/deploy.md#acl", e) from e
             log.warning("leader lease: redis error: %s", e)
             got = False
         if got:

@@ -54,6 +54,7 @@ from kvgate.control.discovery import DEFAULT_MAX_BODY_BYTES, Discovery, Discover
 from kvgate.control.estimates import PREFILL_LOAD_WINDOW_S, EngineEstimates, engine_states  # noqa: F401
 from kvgate.control.lease import LeaderLease, leader_key
 from kvgate.control.scrape import ScrapeResult, scrape_engines
+from kvgate.errors import RedisAccessDenied
 
 log = logging.getLogger("kvgate.control.poller")
 
@@ -293,6 +294,8 @@ class Poller:
             res.snapshot = await self.calls.call(self.gate.write_snapshot, res.states, scale)
             res.wrote = True
             self.writes += 1
+        except RedisAccessDenied:
+            raise  # a configuration error: arun stops on it
         except Exception as e:  # noqa: BLE001 - Redis down, script errors: never kill the loop
             res.reason = f"write_failed: {type(e).__name__}: {e}"
             log.warning("write_snapshot failed: %s: %s", type(e).__name__, e)
@@ -313,6 +316,8 @@ class Poller:
     async def _housekeep(self, res: TickResult) -> None:
         try:
             res.housekeep = await self.calls.call(self._housekeep_redis)
+        except RedisAccessDenied:
+            raise
         except Exception as e:  # noqa: BLE001 - Redis down, script errors: next tick retries
             log.warning("housekeep failed: %s: %s", type(e).__name__, e)
 
@@ -329,7 +334,9 @@ class Poller:
                 while not self._stop.is_set():
                     try:
                         await self.atick(client)
-                    except Exception:  # noqa: BLE001 - the loop survives anything a tick throws
+                    except RedisAccessDenied:
+                        raise  # no tick can succeed until the ACL is fixed: stop, and say why
+                    except Exception:  # noqa: BLE001 - the loop survives anything else a tick throws
                         log.exception("poller tick failed")
                     n += 1
                     if max_ticks is not None and n >= max_ticks:
