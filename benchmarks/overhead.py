@@ -1,0 +1,564 @@
+"""What a kvgate turn costs Redis, beside the cheapest things a client can ask of it.
+
+    python benchmarks/overhead.py [--quick] [--json] [--rounds N]
+
+Starts its own redis-server (kvgate.tools.bench's embedded one; the binary is required:
+fakeredis would measure fakeredis) and measures, in one run, three subjects side by side:
+
+- ``kvgate``: one turn, ``Gate.acquire`` + ``Lease.release`` of a 5,000-token prompt (50 new
+  tokens) on a gate with a fresh snapshot and room to spare, so every turn is admitted at once
+  (the gate's floor: not degraded, not waiting). Sessions repeat, as an agent's do: after its
+  first turn a session enters through its ownership window (reason ``reserved_session``).
+- ``lock``: redis-py ``Lock`` acquire (SET NX PX) + release (a two-command script).
+- ``ping``: two bare PINGs (two round trips that do no work: the wire's floor).
+
+Each is measured from one sync client and from one asyncio loop (``AsyncGate``, redis.asyncio)
+with 1, 16, 64 and 256 concurrent callers. Rounds interleave the subjects (their order rotates
+each round), and the table shows each figure's median over the rounds. Per subject: p50 / p99
+latency of one operation, operations per second, and from ``INFO commandstats`` (reset with
+``CONFIG RESETSTAT`` before each block): the server's microseconds per operation (the
+commands the client sent; a script's time includes the commands it runs), the script calls
+per operation (EVALSHA) and the Redis commands run inside scripts per operation.
+
+A breakdown pass then splits a sync turn script by script (acquire, release): server
+microseconds, inner commands by name, and what a call of a kvgate script costs before its
+body runs: an EVALSHA of ``return 1`` with the same KEYS and ARGV, and one that only loads
+the shared helpers (``lua/includes``) every kvgate script starts with.
+
+Last, the same gate with 10, 1,000 and 10,000 waiters queued (an asyncio crowd in a child
+process, stopped by pid): one lease fills the gate's ceiling, the waiters wait in its FIFO,
+and each admitted waiter releases at once and queues again, so the FIFO stays as long while
+the gate hands its one place from head to head. Per level: the wake-up latency from a release
+to the next head's admission (p50 / p99), hand-offs per second, and per hand-off the server
+microseconds, script calls and inner commands, with each script's server microseconds per
+call (from SLOWLOG, which records every call during that phase). The crowd re-checks every
+``CROWD_POLL_S`` (see there why not the default ``wait_poll_s``), so its few re-checks do not
+show in a hand-off's figures; what one re-check costs the server is measured apart, on
+waiters spread along the FIFO: the queue's own load is that times waiters / ``wait_poll_s``.
+
+``--quick`` is a smoke run (fewer operations and rounds, 10 and 100 waiters); ``--json``
+prints the figures as JSON instead of tables.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+# run from a checkout, measure that checkout's kvgate (the script's own directory comes first on
+# sys.path, not the working directory, so an installed kvgate elsewhere would win otherwise)
+_ROOT = Path(__file__).resolve().parents[1]
+if (_ROOT / "kvgate" / "__init__.py").is_file():
+    sys.path.insert(0, str(_ROOT))
+
+import redis  # noqa: E402
+import redis.asyncio as aioredis  # noqa: E402
+from redis.backoff import NoBackoff  # noqa: E402
+from redis.retry import Retry  # noqa: E402
+
+import kvgate  # noqa: E402
+from kvgate.client.scripts import SCRIPT_NAMES, lua_dir, render  # noqa: E402
+from kvgate.tools.bench.redis_embed import embedded_redis  # noqa: E402
+
+PROMPT = 5000
+NEW_TOKENS = 50
+#: the sessions the sync subjects cycle over (each agent session takes many turns)
+SESSIONS = 20
+#: a snapshot this large admits every turn of every concurrency level at once
+ROOMY_TOKENS = 100_000_000
+#: the snapshot is written once per gate: no poller runs, so it must stay fresh all run
+STALENESS_S = 3600.0
+CONCURRENCY = (1, 16, 64, 256)
+WAITERS = (10, 1_000, 10_000)
+#: the commands a client sends itself; every other command in commandstats ran in a script
+CLIENT_COMMANDS = {"kvgate": {"evalsha", "eval", "script|load"},
+                   "lock": {"set", "evalsha", "eval", "script|load"},
+                   "ping": {"ping"}}
+#: commands of the benchmark's own bookkeeping, never counted
+OWN_COMMANDS = {"config|resetstat", "config|set", "info", "slowlog|get", "slowlog|reset", "client|setinfo"}
+#: bounds on the waiters phase (a hang fails the run instead of stalling it)
+CROWD_START_S = 300.0
+CROWD_RESULT_S = 120.0
+#: re-checks timed per waiters level (spread along the FIFO)
+RECHECKS = 50
+#: the crowd queues this many waiters at a time
+CROWD_BATCH = 500
+#: the crowd's re-check poll. Each waiter re-checks once per poll: at the default 5 s, 10,000
+#: waiters are 2,000 acquire calls a second, more than one Python process on a shared 2-core
+#: machine can drive (its calls pass the gate's deadline and degrade), so the crowd polls every
+#: 30 s and the table reports the re-checks' cost per call, which scales as waiters / poll
+CROWD_POLL_S = 30.0
+
+PROFILES = {
+    "full": dict(rounds=5, sync_ops=1000, async_ops=1000, breakdown_turns=300, waiters=WAITERS,
+                 handoff_s=6.0),
+    "quick": dict(rounds=2, sync_ops=100, async_ops=100, breakdown_turns=30, waiters=(10, 100),
+                  handoff_s=1.5),
+}
+
+
+# -- Redis bookkeeping -----------------------------------------------------------------------
+def command_stats(r: redis.Redis) -> dict[str, dict]:
+    """INFO commandstats as {command: {calls, usec}}, the benchmark's own commands left out."""
+    out = {}
+    for k, v in r.info("commandstats").items():
+        name = k.removeprefix("cmdstat_")
+        if name not in OWN_COMMANDS:
+            out[name] = {"calls": int(v["calls"]), "usec": int(v["usec"])}
+    return out
+
+
+def per_op(stats: dict[str, dict], client: set[str], n: int) -> dict:
+    """One block's server figures per operation: microseconds of the commands the client sent
+    (a script's own time includes the commands it runs, so those are not added again), script
+    calls, and the commands that ran inside scripts."""
+    sent_us = sum(v["usec"] for k, v in stats.items() if k in client)
+    inner = {k: v for k, v in stats.items() if k not in client}
+    scripts = sum(v["calls"] for k, v in stats.items() if k in ("evalsha", "eval"))
+    return {"server_us": sent_us / n, "script_calls": scripts / n,
+            "inner_commands": sum(v["calls"] for v in inner.values()) / n,
+            "inner_us": sum(v["usec"] for v in inner.values()) / n}
+
+
+def quantile(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
+
+
+def block_figures(lat: list[float], elapsed: float, stats: dict, client: set[str]) -> dict:
+    return {"p50_ms": quantile(lat, 0.5) * 1000, "p99_ms": quantile(lat, 0.99) * 1000,
+            "ops_per_s": len(lat) / elapsed, **per_op(stats, client, len(lat))}
+
+
+def medians(blocks: list[dict]) -> dict:
+    """Each figure's median over the rounds."""
+    return {k: statistics.median(b[k] for b in blocks) for k in blocks[0]}
+
+
+def config(**kw: Any) -> kvgate.GateConfig:
+    return kvgate.GateConfig(admission=True, residency=True, staleness_s=STALENESS_S, **kw)
+
+
+def engine(capacity: int) -> list[kvgate.EngineState]:
+    return [kvgate.EngineState(engine_id="e", capacity_tokens=capacity, usage=0.1, url="http://127.0.0.1:9",
+                               kind="sglang")]
+
+
+def client_kw() -> dict:
+    # what Gate.from_url builds: a bounded call, no retries (the gate's own breaker decides)
+    return dict(socket_timeout=5.0, socket_connect_timeout=5.0, retry=Retry(NoBackoff(), 0))
+
+
+# -- one sync client ------------------------------------------------------------------------
+def sync_subjects(r: redis.Redis, gate: kvgate.Gate) -> dict[str, Callable[[int], Any]]:
+    ids = list(range(3, 3 + PROMPT))
+
+    def turn(i: int) -> None:
+        lease = gate.acquire(f"s{i % SESSIONS}", prompt_ids=ids, max_new_tokens=NEW_TOKENS)
+        if not lease.admitted:
+            raise RuntimeError(f"an uncontended turn was not admitted: {lease!r}")
+        lease.release()
+
+    def lock(i: int) -> None:
+        lk = r.lock(f"bench:lock:{i % SESSIONS}", timeout=10)
+        if not lk.acquire(blocking=False):
+            raise RuntimeError("an uncontended lock was not acquired")
+        lk.release()
+
+    def ping(i: int) -> None:
+        r.ping()
+        r.ping()
+
+    return {"kvgate": turn, "lock": lock, "ping": ping}
+
+
+def run_sync(url: str, rounds: int, ops: int) -> dict:
+    r = redis.Redis.from_url(url, **client_kw())
+    gate = kvgate.Gate(r, gate="overhead-sync", config=config())
+    gate.write_snapshot(engine(ROOMY_TOKENS))
+    subjects = sync_subjects(r, gate)
+    for fn in subjects.values():  # warm-up: scripts loaded, connection made, sessions' windows open
+        for i in range(2 * SESSIONS):
+            fn(i)
+    blocks: dict[str, list[dict]] = {k: [] for k in subjects}
+    names = list(subjects)
+    for rnd in range(rounds):
+        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+            fn, lat = subjects[name], []
+            r.config_resetstat()
+            t0 = time.perf_counter()
+            for i in range(ops):
+                a = time.perf_counter()
+                fn(i)
+                lat.append(time.perf_counter() - a)
+            elapsed = time.perf_counter() - t0
+            blocks[name].append(block_figures(lat, elapsed, command_stats(r), CLIENT_COMMANDS[name]))
+    gate.close()
+    r.close()
+    return {k: medians(v) for k, v in blocks.items()}
+
+
+# -- one asyncio loop ------------------------------------------------------------------------
+def async_client(url: str, connections: int) -> aioredis.Redis:
+    """An asyncio client whose callers beyond ``connections`` wait for a connection (redis-py's
+    default pool refuses them with MaxConnectionsError, which the gate takes for a fault)."""
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=connections, timeout=30, **client_kw())
+    return aioredis.Redis(connection_pool=pool)
+
+
+async def async_blocks(url: str, rounds: int, ops: int) -> dict:
+    r = async_client(url, max(CONCURRENCY))  # a connection per caller: none waits for the pool
+    stat = redis.Redis.from_url(url, **client_kw())  # bookkeeping off the measured loop's client
+    gate = kvgate.AsyncGate(r, gate="overhead-async", config=config())
+    await gate.write_snapshot(engine(ROOMY_TOKENS))
+    ids = list(range(3, 3 + PROMPT))
+
+    async def turn(worker: int) -> None:
+        lease = await gate.acquire(f"c{worker}", prompt_ids=ids, max_new_tokens=NEW_TOKENS)
+        if not lease.admitted:
+            raise RuntimeError(f"an uncontended turn was not admitted: {lease!r}")
+        await lease.release()
+
+    async def lock(worker: int) -> None:
+        lk = r.lock(f"bench:alock:{worker}", timeout=10)
+        if not await lk.acquire(blocking=False):
+            raise RuntimeError("an uncontended lock was not acquired")
+        await lk.release()
+
+    async def ping(worker: int) -> None:
+        await r.ping()
+        await r.ping()
+
+    subjects: dict[str, Callable[[int], Awaitable]] = {"kvgate": turn, "lock": lock, "ping": ping}
+
+    async def block(fn: Callable[[int], Awaitable], conc: int, n: int) -> tuple[list[float], float]:
+        lat: list[float] = []
+        left = [n]
+
+        async def worker(w: int) -> None:
+            while left[0] > 0:
+                left[0] -= 1
+                a = time.perf_counter()
+                await fn(w)
+                lat.append(time.perf_counter() - a)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(conc)))
+        return lat, time.perf_counter() - t0
+
+    for fn in subjects.values():  # warm-up: connections for the largest level, sessions' windows open
+        await block(fn, max(CONCURRENCY), 2 * max(CONCURRENCY))
+    blocks: dict[tuple[str, int], list[dict]] = {}
+    names = list(subjects)
+    for rnd in range(rounds):
+        for conc in CONCURRENCY:
+            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                n = max(ops, 8 * conc)  # every caller runs several operations at every level
+                stat.config_resetstat()
+                lat, elapsed = await block(subjects[name], conc, n)
+                blocks.setdefault((name, conc), []).append(
+                    block_figures(lat, elapsed, command_stats(stat), CLIENT_COMMANDS[name]))
+    await gate.aclose()
+    await r.aclose()
+    stat.close()
+    return {name: {str(c): medians(blocks[(name, c)]) for c in CONCURRENCY} for name in names}
+
+
+# -- script by script ------------------------------------------------------------------------
+def script_breakdown(url: str, turns: int) -> dict:
+    """A sync turn split by script, by INFO commandstats between the two calls, and the cost
+    of calling a kvgate script before its body runs."""
+    r = redis.Redis.from_url(url, **client_kw())
+    gate = kvgate.Gate(r, gate="overhead-split", config=config())
+    gate.write_snapshot(engine(ROOMY_TOKENS))
+    ids = list(range(3, 3 + PROMPT))
+    per: dict[str, Counter] = {"acquire": Counter(), "release": Counter()}
+    us: dict[str, list[float]] = {"acquire": [], "release": []}
+    inner_us: Counter = Counter()
+    reasons: Counter = Counter()
+    for i in range(SESSIONS + turns):
+        measured = i >= SESSIONS  # the sessions' first turns open their windows: not measured
+        if measured:
+            r.config_resetstat()
+        lease = gate.acquire(f"s{i % SESSIONS}", prompt_ids=ids, max_new_tokens=NEW_TOKENS)
+        if measured:
+            a = command_stats(r)
+            r.config_resetstat()
+        lease.release()
+        if measured:
+            b = command_stats(r)
+            reasons[lease.reason] += 1
+            for name, st in (("acquire", a), ("release", b)):
+                us[name].append(st.get("evalsha", {}).get("usec", 0))
+                for k, v in st.items():
+                    if k != "evalsha":
+                        per[name][k] += v["calls"]
+                        inner_us[name] += v["usec"]
+    out: dict[str, Any] = {"turns": turns, "reasons": dict(reasons)}
+    for name in per:
+        out[name] = {"server_us": statistics.median(us[name]),
+                     "inner_commands": sum(per[name].values()) / turns, "inner_us": inner_us[name] / turns,
+                     "by_command": {k: round(v / turns, 2)
+                                    for k, v in sorted(per[name].items(), key=lambda kv: -kv[1])}}
+    # the fixed cost of a kvgate script call: its KEYS and ARGV, then the shared helpers
+    argv = list(gate._flows.eval_op("acquire", {}).argv)
+    includes = "".join(f"--@include {n}\n" for n in ("common", "snapshot", "windows", "leases", "waiters"))
+    base = lua_dir()
+    helpers = render(includes + "return 1", lambda n: (base / "includes" / f"{n}.lua").read_text())
+    for name, src in (("return_1", "return 1"), ("helpers_only", helpers)):
+        s = r.register_script(src)
+        s(keys=gate._keys, args=argv)
+        r.config_resetstat()
+        for _ in range(turns):
+            s(keys=gate._keys, args=argv)
+        out[name] = {"server_us": command_stats(r)["evalsha"]["usec"] / turns}
+    gate.close()
+    r.close()
+    return out
+
+
+# -- waiters queued --------------------------------------------------------------------------
+class CountingGate(kvgate.AsyncGate):
+    """An AsyncGate that counts its script calls by script (the crowd's own tally)."""
+
+    def __init__(self, *a: Any, **kw: Any):
+        super().__init__(*a, **kw)
+        self.calls: Counter = Counter()
+
+    async def _eval(self, op: Any) -> dict:
+        self.calls[op.script] += 1
+        return await super()._eval(op)
+
+
+async def crowd(url: str, gate_name: str, waiters: int, handoff_s: float, report: Any) -> None:
+    """The child process: one lease fills the gate; ``waiters`` sessions queue behind it; once
+    the parent has reset the server's counters, the lease is released and every admitted
+    waiter releases at once and queues again, for ``handoff_s``."""
+    r = async_client(url, 64)
+    gate = CountingGate(r, gate=gate_name, config=config(wait_poll_s=CROWD_POLL_S, max_wait_s=600.0,
+                                                         max_wait_hard_s=1200.0))
+    turn = dict(prompt_tokens=PROMPT, max_new_tokens=NEW_TOKENS, retain_session=False)
+    holder = await gate.acquire("holder", **turn)
+    if not holder.admitted:
+        raise RuntimeError(f"the lease that fills the gate was not admitted: {holder!r}")
+    events: list[tuple[str, float]] = []  # ("r", release began) / ("a", admitted), in order
+    running = [True]
+    admitted = [0]
+    missed: Counter = Counter()  # turns not admitted (a call that timed out degrades its turn)
+
+    async def member(k: int) -> None:
+        while running[0]:
+            lease = await gate.acquire(f"w{k}", **turn)
+            if not lease.admitted:
+                # counted and reported: a member that spun on bypasses would measure nothing
+                missed[f"{lease.outcome}/{lease.reason}"] += 1
+                return
+            events.append(("a", time.monotonic()))
+            admitted[0] += 1
+            events.append(("r", time.monotonic()))
+            await lease.release()
+
+    # queue in batches, each waited for: 10,000 first calls at once would wait on the pool
+    # past the gate's call deadline, and a turn whose call timed out is degraded, not queued
+    fifo = gate.key("fifo")
+    deadline = time.monotonic() + CROWD_START_S
+    tasks = []
+    for start in range(0, waiters, CROWD_BATCH):
+        tasks += [asyncio.ensure_future(member(k)) for k in range(start, min(waiters, start + CROWD_BATCH))]
+        while await r.zcard(fifo) < len(tasks):
+            if missed or time.monotonic() > deadline:
+                raise RuntimeError(f"{len(tasks)} waiters did not queue within {CROWD_START_S}s: {dict(missed)}")
+            await asyncio.sleep(0.05)
+    report.send("queued")
+    if not report.poll(CROWD_START_S):
+        raise RuntimeError("the parent did not say go")
+    report.recv()
+    gate.calls.clear()
+    t0 = time.monotonic()
+    events.append(("r", t0))
+    await holder.release()
+    await asyncio.sleep(handoff_s)
+    running[0] = False
+    elapsed = time.monotonic() - t0
+    wake, last_release = [], None
+    for kind, t in list(events):
+        if kind == "r":
+            last_release = t
+        elif last_release is not None:
+            wake.append(t - last_release)
+            last_release = None
+    report.send({"handoffs": admitted[0], "elapsed_s": elapsed, "wake_s": wake, "calls": dict(gate.calls),
+                 "missed": dict(missed)})
+    for t in tasks:  # the parent stops this process by pid; nothing here needs to end cleanly
+        t.cancel()
+
+
+def crowd_main(url: str, gate_name: str, waiters: int, handoff_s: float, report: Any) -> None:
+    try:
+        asyncio.run(crowd(url, gate_name, waiters, handoff_s, report))
+    except Exception as e:  # noqa: BLE001 - the parent raises it, instead of waiting out its bound
+        report.send({"error": f"{type(e).__name__}: {e}"})
+
+
+def recheck_cost(r: redis.Redis, gate: kvgate.Gate) -> float:
+    """Server microseconds of one waiter's re-check (what each waiter sends once per poll),
+    over waiters spread along the FIFO: the call its own flow would make, made from here."""
+    tickets = r.zrange(gate.key("fifo"), 0, -1)
+    sample = tickets[::max(1, len(tickets) // RECHECKS)][:RECHECKS]
+    r.config_resetstat()
+    for t in sample:
+        w = json.loads(r.hget(gate.key("waiters"), t))
+        params = dict(ticket=t.decode(), session=w["s"], need=w["n"], prompt=w["p"], protected=0, retain=0,
+                      probe=-2)
+        out = gate._eval(gate._flows.eval_op("acquire", params))
+        if out["o"] != "wait":
+            raise RuntimeError(f"a re-check of a queued waiter did not wait: {out}")
+    return command_stats(r)["evalsha"]["usec"] / len(sample)
+
+
+def run_waiters(url: str, levels: tuple[int, ...], handoff_s: float) -> dict:
+    r = redis.Redis.from_url(url, **client_kw())
+    out = {}
+    ctx = multiprocessing.get_context("spawn")
+    for w in levels:
+        name = f"overhead-w{w}"
+        gate = kvgate.Gate(r, gate=name, config=config())
+        # a ceiling (capacity x headroom 0.9) that holds one turn and not two
+        gate.write_snapshot(engine(int((PROMPT + NEW_TOKENS) * 1.5 / 0.9)))
+        shas = {gate._scripts[s].sha: s for s in SCRIPT_NAMES}
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=crowd_main, args=(url, name, w, handoff_s, child), daemon=True)
+        proc.start()
+        try:
+            msg = parent.recv() if parent.poll(CROWD_START_S + 10) else {"error": "no word within its bound"}
+            if msg != "queued":
+                raise RuntimeError(f"the crowd of {w} did not queue: {msg}")
+            recheck_us = recheck_cost(r, gate)
+            r.config_set("slowlog-log-slower-than", 0)
+            r.config_set("slowlog-max-len", 1_000_000)
+            r.slowlog_reset()
+            r.config_resetstat()
+            parent.send("go")
+            if not parent.poll(CROWD_RESULT_S + handoff_s):
+                raise RuntimeError(f"the crowd of {w} sent no result")
+            res = parent.recv()
+            if "error" in res:
+                raise RuntimeError(f"the crowd of {w} failed: {res['error']}")
+            stats = command_stats(r)
+            slow = r.slowlog_get(1_000_000)
+            queued = r.zcard(gate.key("fifo"))  # the crowd stopped queueing again: about w - 1
+            r.config_set("slowlog-log-slower-than", 10_000)
+        finally:
+            proc.kill()
+            proc.join(timeout=10)
+        by_script: dict[str, list[int]] = {}
+        for e in slow:
+            cmd = e["command"].split() if isinstance(e["command"], (bytes, str)) else e["command"]
+            cmd = [c.decode() if isinstance(c, bytes) else c for c in cmd]
+            if cmd and cmd[0].lower() == "evalsha" and len(cmd) > 1 and cmd[1] in shas:
+                by_script.setdefault(shas[cmd[1]], []).append(int(e["duration"]))
+        n = max(1, res["handoffs"])
+        wake = res["wake_s"]
+        out[str(w)] = {
+            "handoffs": res["handoffs"], "handoffs_per_s": res["handoffs"] / res["elapsed_s"],
+            "wake_p50_ms": quantile(wake, 0.5) * 1000, "wake_p99_ms": quantile(wake, 0.99) * 1000,
+            "queued_after": queued, "missed": res["missed"], "recheck_us": recheck_us,
+            **per_op(stats, CLIENT_COMMANDS["kvgate"], n),
+            "calls_by_script": {k: v / n for k, v in sorted(res["calls"].items())},
+            "script_us_per_call": {k: statistics.median(v) for k, v in sorted(by_script.items())},
+        }
+        r.delete(*gate._keys)
+    r.close()
+    return out
+
+
+# -- output ----------------------------------------------------------------------------------
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     for row in rows)
+
+
+def f(x: float, nd: int = 1) -> str:
+    return f"{x:,.{nd}f}"
+
+
+def report(res: dict) -> str:
+    head = ["subject", "p50 ms", "p99 ms", "ops/s", "server us/op", "scripts/op", "inner cmds/op"]
+
+    def row(label: str, m: dict) -> list[str]:
+        return [label, f(m["p50_ms"], 3), f(m["p99_ms"], 3), f(m["ops_per_s"], 0), f(m["server_us"]),
+                f(m["script_calls"], 2), f(m["inner_commands"], 1)]
+
+    parts = [f"redis-server {res['redis_version']}, kvgate from {res['kvgate']}, {res['rounds']} rounds, "
+             f"medians over rounds", f"(a turn: a {res['prompt_tokens']:,}-token prompt and {NEW_TOKENS} new tokens)",
+             "", "one sync client", table([head] + [row(k, v) for k, v in res["sync"].items()])]
+    rows = [["subject x callers"] + head[1:]]
+    for name, levels in res["async"].items():
+        rows += [row(f"{name} x{c}", m) for c, m in levels.items()]
+    parts += ["", "one asyncio loop", table(rows)]
+    b = res["breakdown"]
+    rows = [["script", "server us/call", "inner cmds/call", "their us", "inner commands (per call)"]]
+    for name in ("acquire", "release"):
+        m = b[name]
+        rows.append([name, f(m["server_us"]), f(m["inner_commands"], 1), f(m["inner_us"]),
+                     " ".join(f"{k}={v:g}" for k, v in m["by_command"].items())])
+    rows.append(["(return 1)", f(b["return_1"]["server_us"]), "0", "0",
+                 "an EVALSHA with a kvgate call's KEYS and ARGV"])
+    rows.append(["(helpers only)", f(b["helpers_only"]["server_us"]), "0", "0", "the same, loading lua/includes"])
+    parts += ["", f"a sync turn, script by script ({b['turns']} turns: {b['reasons']})", table(rows)]
+    rows = [["waiters", "wake p50 ms", "wake p99 ms", "handoffs/s", "server us/handoff", "scripts/handoff",
+             "inner cmds/handoff", "not admitted", "re-check us", "script us/call"]]
+    for w, m in res["waiters"].items():
+        rows.append([w, f(m["wake_p50_ms"], 3), f(m["wake_p99_ms"], 3), f(m["handoffs_per_s"], 0),
+                     f(m["server_us"]), f(m["script_calls"], 2), f(m["inner_commands"], 1),
+                     str(sum(m["missed"].values())), f(m["recheck_us"]),
+                     " ".join(f"{k}={v:g}" for k, v in m["script_us_per_call"].items())])
+    parts += ["", "waiters queued (one place handed from head to head)", table(rows)]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a smoke run: fewer operations, 10 and 100 waiters")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds (default: 5, --quick 2)")
+    a = ap.parse_args(argv)
+    prof = dict(PROFILES["quick" if a.quick else "full"])
+    if a.rounds is not None:
+        if a.rounds < 1:
+            ap.error("--rounds must be >= 1")
+        prof["rounds"] = a.rounds
+    t0 = time.monotonic()
+
+    def phase(name: str, fn: Callable[[], Any]) -> Any:
+        # progress on stderr: the figures go to stdout alone
+        print(f"[{time.monotonic() - t0:6.1f}s] {name}", file=sys.stderr, flush=True)
+        return fn()
+
+    with embedded_redis("redis-server") as (url, _kind):
+        r = redis.Redis.from_url(url, **client_kw())
+        version = r.info("server")["redis_version"]
+        r.close()
+        res = {"redis_version": version, "kvgate": str(Path(kvgate.__file__).parent), "prompt_tokens": PROMPT,
+               "rounds": prof["rounds"],
+               "sync": phase("one sync client", lambda: run_sync(url, prof["rounds"], prof["sync_ops"])),
+               "async": phase("one asyncio loop",
+                              lambda: asyncio.run(async_blocks(url, prof["rounds"], prof["async_ops"]))),
+               "breakdown": phase("script by script", lambda: script_breakdown(url, prof["breakdown_turns"])),
+               "waiters": phase("waiters queued", lambda: run_waiters(url, prof["waiters"], prof["handoff_s"]))}
+    res["elapsed_s"] = time.monotonic() - t0
+    print(json.dumps(res, indent=1) if a.json else report(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

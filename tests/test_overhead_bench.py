@@ -1,0 +1,78 @@
+"""benchmarks/overhead.py runs end to end (``--quick``) and reports what it says it reports.
+
+It starts its own redis-server, so the test needs the binary (``redis_real``) and a child
+process for the waiters' crowd (``slow``). Only the output's shape and its counts are checked:
+a count of script calls or commands is a property of the code, a latency is not.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import require_binaries
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "overhead.py"
+#: a hang detector for the whole quick run (it takes some 20 s on an idle 2-core machine)
+RUN_BOUND_S = 300
+
+BLOCK_KEYS = {"p50_ms", "p99_ms", "ops_per_s", "server_us", "script_calls", "inner_commands", "inner_us"}
+
+
+def integer_ish(x: float) -> bool:
+    return abs(x - round(x)) < 0.05
+
+
+@pytest.mark.redis_real
+@pytest.mark.slow
+def test_quick_run_reports_every_figure_with_sane_counts(tmp_path):
+    require_binaries("redis-server")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json"], capture_output=True, text=True,
+                       timeout=RUN_BOUND_S, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    # the script measures the checkout it lives in, not another installed kvgate
+    assert Path(out["kvgate"]) == ROOT / "kvgate"
+    assert out["prompt_tokens"] == 5000 and out["rounds"] == 2
+
+    sync = out["sync"]
+    assert set(sync) == {"kvgate", "lock", "ping"}
+    for m in sync.values():
+        assert set(m) == BLOCK_KEYS
+        assert m["ops_per_s"] > 0 and m["p50_ms"] <= m["p99_ms"]
+    # an uncontended turn is a whole number of script calls (acquire, release), each running
+    # commands; a Lock is one script (its release) of two commands; a PING runs none
+    assert integer_ish(sync["kvgate"]["script_calls"]) and sync["kvgate"]["script_calls"] >= 2
+    assert sync["kvgate"]["inner_commands"] > 0 and sync["kvgate"]["server_us"] > 0
+    assert sync["lock"]["script_calls"] == 1 and sync["lock"]["inner_commands"] == 2
+    assert sync["ping"]["script_calls"] == 0 and sync["ping"]["inner_commands"] == 0
+
+    assert set(out["async"]) == {"kvgate", "lock", "ping"}
+    for levels in out["async"].values():
+        assert set(levels) == {"1", "16", "64", "256"}
+        assert all(set(m) == BLOCK_KEYS for m in levels.values())
+    assert all(integer_ish(m["script_calls"]) for m in out["async"]["kvgate"].values())
+
+    b = out["breakdown"]
+    assert b["turns"] == 30 and sum(b["reasons"].values()) == 30
+    for name in ("acquire", "release"):
+        assert b[name]["inner_commands"] > 0 and b[name]["by_command"]
+    assert {"return_1", "helpers_only"} <= set(b)
+
+    assert set(out["waiters"]) == {"10", "100"}
+    for w, m in out["waiters"].items():
+        assert m["handoffs"] > 0 and not m["missed"], m
+        # a hand-off: the release that grants, the head's claim, and the releaser queueing again
+        assert integer_ish(m["script_calls"]) and m["inner_commands"] > 0
+        assert {"acquire", "release"} <= set(m["script_us_per_call"])
+        assert m["wake_p50_ms"] <= m["wake_p99_ms"] and m["recheck_us"] > 0
+
+
+def test_rejects_bad_arguments(tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "0"], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)
+    assert r.returncode == 2 and "--rounds must be >= 1" in r.stderr
