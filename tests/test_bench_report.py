@@ -333,9 +333,11 @@ def test_scenario_changes_name_the_flags_that_changed_the_workload_or_engine():
     assert changes([], caps_run=sweep[:1]) == [f"caps {sweep[0]} (the scenario's sweep: {','.join(map(str, sweep))})"]
     assert changes([], caps_run=[]) == []  # no cap ran: that check is not made, not modified
     got = changes(["--output", "8", "--tool-slow-median", "3", "--kv-capacity", "4096", "--profile",
-                   "cpu-vllm-tiny", "--time-scale", "0.5", "--sim-prefill-metrics"])
+                   "cpu-vllm-tiny", "--time-scale", "0.5", "--no-sim-prefill-metrics"])
     assert got == ["--output 8", "--tool-slow-median 3.0", "--profile cpu-vllm-tiny", "--kv-capacity 4096",
-                   "--sim-prefill-metrics", "--time-scale 0.5"]
+                   "--no-sim-prefill-metrics", "--time-scale 0.5"]
+    # the simulator exports its prefill time by default: asking for it changes nothing
+    assert changes(["--sim-prefill-metrics"]) == []
     # real engines: the simulator's flags do not apply, and their time scale defaults to 1
     assert changes(["--scenario", "cpu-tiny", "--engine", "http://x", "--kv-capacity", "4096"]) == []
 
