@@ -1,0 +1,425 @@
+"""kvgate across a Redis failover (docs/deploy.md#failover).
+
+A primary, a replica (``--replicaof``) and three sentinels, all real redis-server processes
+started here and stopped by pid. Gates reach Redis through a ``redis+sentinel://`` URL
+(parsed by kvgate._urls; redis-py has no URL form for Sentinel). Turns run from many threads
+with waiters, leases and ownership windows live while the primary is killed with SIGKILL;
+then, without help, turns bypass as ``degraded`` for a while, gating resumes on the promoted
+replica, and once every turn has ended the ledger is exactly the live charges: nothing leaked,
+nothing negative, no ticket admitted twice.
+
+A failover loses the writes the replica had not received (Redis replicates asynchronously).
+The managed-style test makes that loss certain: the replica is promoted (``REPLICAOF NO
+ONE``) while the turns still write to the old primary, then the old primary is killed and the
+clients' endpoint repointed. Without the client's replay of recently confirmed releases
+(kvgate.client.flows.REPLAY_S) the releases written in between stay charged on the new primary
+until ``lease_ttl_s``; without release.lua dropping a left-over waiter record, a turn the
+old primary had granted would be granted a second time.
+
+The URL checks at the top need no server.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import redis
+
+import kvgate
+from kvgate._urls import parse_sentinel_url
+
+from _deployflow import core_flow
+from _gatehelpers import config, engines
+from conftest import RedisProc, start_redis
+
+REAL = [pytest.mark.redis_real, pytest.mark.slow]
+
+SERVICE = "kvgate"
+
+#: a sentinel's config: quick to call the primary down and to fail over (the test's runtime),
+#: quorum 2 of 3. The sentinel rewrites the file, so conftest gives each its own copy.
+SENTINEL_CONF = f"""sentinel monitor {SERVICE} 127.0.0.1 {{port}} 2
+sentinel down-after-milliseconds {SERVICE} 800
+sentinel failover-timeout {SERVICE} 3000
+sentinel parallel-syncs {SERVICE} 1
+"""
+
+#: the liveness bound on a failover: sentinels agree, promote, and the clients find the new
+#: primary well within it (a hang fails the test; not a latency claim)
+FAILOVER_BOUND_S = 60.0
+
+#: each turn reserves 200 of a 1000-token engine (ceiling 900 at headroom 0.9): four run,
+#: the rest of the threads wait in the FIFO
+TURN = dict(prompt_tokens=150, max_new_tokens=50)
+CAPACITY = 1000
+WORKERS = 8
+
+
+# -- the URL: parsed by kvgate, refused before any connection --------------------------------
+def test_a_sentinel_url_names_the_sentinels_the_service_and_the_database():
+    u = parse_sentinel_url("redis+sentinel://kvgate:s%40cret@h1:26380,h2/mymaster?db=2&sentinel_password=sp")
+    assert u.sentinels == (("h1", 26380), ("h2", 26379))  # Sentinel's default port
+    assert u.service == "mymaster"
+    assert u.master_kwargs == {"username": "kvgate", "password": "s@cret", "db": 2}
+    assert u.sentinel_kwargs == {"password": "sp"}
+    tls = parse_sentinel_url("rediss+sentinel://[::1]:5000/m?ssl_ca_certs=/etc/ca.crt")
+    assert tls.sentinels == (("::1", 5000),)
+    assert tls.master_kwargs == {"ssl_ca_certs": "/etc/ca.crt", "ssl": True}
+
+
+@pytest.mark.parametrize("url, says", [
+    ("redis+sentinel://h1:26379", "service"),
+    ("redis+sentinel://h1:26379/", "service"),
+    ("redis+sentinel://h1,,h2/m", "empty sentinel address"),
+    ("redis+sentinel://h1:99999/m", "bad port"),
+    ("redis+sentinel://h1/m?dbb=0", "unknown query key 'dbb'"),
+    ("redis+sentinel://h1/m?db=one", "database number"),
+    ("redis+sentinel://h1/m?ssl_ca_certs=/ca", "rediss\\+sentinel"),
+    ("redis+sentinel://h1/m extra", "whitespace"),
+])
+def test_a_bad_sentinel_url_is_refused_before_any_connection(url, says):
+    # every way kvgate builds a client refuses it at construction (no sentinel is asked;
+    # h1 does not resolve here)
+    for build in (lambda: kvgate.Gate.from_url(url, gate="g"), lambda: kvgate.AsyncGate.from_url(url, gate="g")):
+        with pytest.raises(ValueError, match=says):
+            build()
+
+
+def test_a_password_is_not_repeated_in_the_error():
+    with pytest.raises(ValueError) as e:
+        kvgate.Gate.from_url("redis+sentinel://u:hunter2@h1/m?nope=1", gate="g")
+    assert "hunter2" not in str(e.value) and "u:***@h1" in str(e.value)
+
+
+def test_a_sentinel_url_with_cluster_is_refused():
+    with pytest.raises(ValueError, match="cluster"):
+        kvgate.Gate.from_url("redis+sentinel://h1/m", gate="g", cluster=True)
+
+
+# -- the lineage: what tells a client its releases may be lost (one server, no failover) -----
+@pytest.mark.redis_real
+def test_a_state_from_another_server_gets_the_recent_releases_again(redis_url):
+    # a replica promoted holds the state as it was some writes ago, written by another
+    # process: here the state before a release is put back and marked as another server's
+    g = kvgate.Gate.from_url(redis_url, gate="lin", config=config())
+    try:
+        g.write_snapshot(engines())
+        lease = g.acquire("s", prompt_tokens=100, max_new_tokens=10, retain_session=False)
+        keys = [k for k in g.redis.keys(g.key("*"))]
+        before = {k: g.redis.dump(k) for k in keys}
+        assert lease.release() is True and int(g.redis.hget(g.key("ledger"), "reserved")) == 0
+        for k, v in before.items():
+            g.redis.restore(k, 0, v, replace=True)
+        g.redis.hset(g.key("ledger"), "rid", "0" * 40)  # INFO's run_id of the old primary
+        assert int(g.redis.hget(g.key("ledger"), "reserved")) == 110  # the release is lost
+        # the next turn's reply names a new lineage; the release goes again before the next call
+        g.acquire("t", prompt_tokens=5, max_new_tokens=5, retain_session=False).release()
+        assert int(g.redis.hget(g.key("ledger"), "reserved")) == 0
+        assert g.redis.hlen(g.key("leases")) == 0 and g.deferred_count == 0
+    finally:
+        g.close()
+
+
+# -- the servers ---------------------------------------------------------------------------
+def role(rp: RedisProc) -> str:
+    c = rp.client(socket_timeout=2)
+    try:
+        return c.info("replication")["role"]
+    finally:
+        c.close()
+
+
+def wait_until(pred, what: str, bound_s: float = 20.0, every_s: float = 0.1):
+    """Poll ``pred`` until it answers truthy (its answer), failing after ``bound_s``."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        try:
+            v = pred()
+        except (redis.RedisError, OSError):
+            v = None
+        if v:
+            return v
+        time.sleep(every_s)
+    pytest.fail(f"{what} did not happen within {bound_s}s")
+
+
+def start_replica(primary: RedisProc, *extra: str) -> RedisProc:
+    """A replica of ``primary``, once its first sync is done (it holds what the primary had)."""
+    rp = start_redis(None, "--replicaof", "127.0.0.1", str(primary.port), *extra)
+    wait_until(lambda: rp.client(socket_timeout=2).info("replication").get("master_link_status") == "up",
+               "the replica's first sync")
+    return rp
+
+
+@dataclass
+class Group:
+    primary: RedisProc
+    replica: RedisProc
+    sentinels: list[RedisProc] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{SERVICE}?db=0"
+
+    def master_port(self, s: RedisProc) -> int:
+        c = s.client(socket_timeout=2)
+        try:
+            return int(c.sentinel_get_master_addr_by_name(SERVICE)[1])
+        finally:
+            c.close()
+
+
+@pytest.fixture
+def sentinel_group():
+    procs: list[RedisProc] = []
+    try:
+        primary = start_redis()
+        procs.append(primary)
+        replica = start_replica(primary)
+        procs.append(replica)
+        g = Group(primary, replica)
+        for _ in range(3):
+            s = start_redis(None, "--sentinel", config=SENTINEL_CONF.format(port=primary.port))
+            procs.append(s)
+            g.sentinels.append(s)
+
+        def ready(s: RedisProc) -> bool:
+            # a failover needs the quorum: each sentinel must know the replica and the others
+            m = s.client(socket_timeout=2, decode_responses=True).sentinel_master(SERVICE)
+            return m["num-slaves"] == 1 and m["num-other-sentinels"] == 2
+        for s in g.sentinels:
+            wait_until(lambda: ready(s), "the sentinels finding the replica and each other", bound_s=30.0)
+        yield g
+    finally:
+        for p in procs:
+            p.stop(signal.SIGKILL)
+
+
+# -- the turns -----------------------------------------------------------------------------
+@dataclass
+class Turns:
+    """Threads that run turns on whatever gate ``gate`` is when each turn starts: acquire,
+    hold briefly, release; every few turns the session ends (its window with it)."""
+
+    gate: kvgate.Gate
+    stop: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    decisions: list = field(default_factory=list)  # (started, ended, ticket, outcome, reason)
+    errors: list = field(default_factory=list)
+    sessions: set = field(default_factory=set)
+    threads: list = field(default_factory=list)
+
+    def run(self, i: int) -> None:
+        n = 0
+        while not self.stop.is_set():
+            sid = f"w{i}-s{n // 3}"  # three turns per session, so windows open, idle and end
+            gate = self.gate
+            try:
+                started = time.monotonic()
+                lease = gate.acquire(sid, **TURN)
+                with self.lock:
+                    self.sessions.add((gate, sid))
+                    self.decisions.append((started, time.monotonic(), lease.ticket, lease.outcome, lease.reason))
+                time.sleep(0.02)
+                lease.release()
+                if n % 3 == 2:
+                    gate.finish_session(sid)
+            except Exception as e:  # noqa: BLE001 - the assertion: no turn raises
+                with self.lock:
+                    self.errors.append(repr(e))
+            n += 1
+
+    def start(self) -> None:
+        for i in range(WORKERS):
+            t = threading.Thread(target=self.run, args=(i,), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def join(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            # a turn waits at most max_wait_s, a Redis call redis_timeout_s: far below this
+            t.join(timeout=30)
+            assert not t.is_alive(), "a turn thread hung"
+
+    def admits_started_after(self, t: float) -> list:
+        with self.lock:
+            return [d for d in self.decisions if d[0] > t and d[3] == "admit"]
+
+
+def cfg() -> kvgate.GateConfig:
+    # waits end by pub/sub or aging within the run; a snapshot stays fresh across the
+    # failover gap (the writer below rewrites it on the new primary); Redis calls are bounded
+    # by 0.5 s so a dead primary costs little per call
+    return config(max_wait_s=5.0, max_wait_hard_s=10.0, wait_poll_s=0.2, staleness_s=20.0,
+                  redis_timeout_s=0.5)
+
+
+class SnapshotWriter:
+    """Writes the engines' snapshot every 0.3 s (the poller's job: it lives in Redis, so the
+    new primary needs it too, and it has it only as far as it was replicated)."""
+
+    def __init__(self, gate: kvgate.Gate):
+        self.gate, self.stop = gate, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.gate.write_snapshot(engines(cap=CAPACITY))
+            except (redis.RedisError, OSError):
+                pass  # the primary is gone: the next write goes to the one Sentinel names
+            self.stop.wait(0.3)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+
+
+def settle(gate: kvgate.Gate, ops: kvgate.Gate, turns: Turns) -> dict:
+    """After the run: every session ended, every deferred give-back sent; the status then."""
+    for g, sid in sorted(turns.sessions, key=lambda x: x[1]):
+        g.finish_session(sid)
+
+    def flushed() -> bool:
+        gate.step_metrics()  # any script call sends what is deferred (once the breaker closes)
+        return gate.deferred_count == 0
+    wait_until(flushed, "the deferred releases reaching Redis", every_s=0.3)
+    ops.housekeep()
+    return ops.status()
+
+
+def assert_exact_ledger(ops: kvgate.Gate, st: dict) -> None:
+    """The ledger holds exactly the live charges, and here there are none."""
+    import json
+    r = ops.redis
+    leases = {k: json.loads(v) for k, v in r.hgetall(ops.key("leases")).items()}
+    windows = {k: json.loads(v) for k, v in r.hgetall(ops.key("windows")).items()}
+    assert st["reserved"] == sum(l["t"] for l in leases.values()) + sum(w["t"] for w in windows.values())
+    assert (st["reserved"], st["leases"], st["waiting"], st["windows"]) == (0, 0, 0, 0), (st, leases, windows)
+    assert all(l["t"] >= 0 for l in leases.values()) and st["reserved"] >= 0
+
+
+def check_run(turns: Turns, killed_at: float) -> float:
+    """No turn raised, none was admitted twice, turns bypassed as degraded only for a bounded
+    stretch after the kill, and gating resumed after it (an admission that began after the
+    last degraded turn). Returns the recovery: the kill to the end of the degraded stretch
+    (or to the first admission, when no turn saw the fault)."""
+    assert not turns.errors, turns.errors[:5]
+    tickets = [d[2] for d in turns.decisions if d[3] == "admit"]
+    assert len(tickets) == len(set(tickets)), "a ticket admitted twice"
+    bypasses = {d[4] for d in turns.decisions if d[3] == "bypass"}
+    assert {d[3] for d in turns.decisions} <= {"admit", "bypass"}, "a turn neither admitted nor bypassed"
+    assert bypasses <= {"degraded", "aged"}, bypasses  # aged: a long wait at the ceiling, by design
+    degraded = [d for d in turns.decisions if d[4] == "degraded"]
+    # a pooled connection may fail once per thread after the first admission on the new
+    # primary, so the stretch is bounded, not ended by the first admission
+    assert all(killed_at - 1.0 <= d[0] <= killed_at + FAILOVER_BOUND_S for d in degraded), \
+        "degraded outside the failover"
+    last = max((d[1] for d in degraded), default=killed_at)
+    assert turns.admits_started_after(last), "gating did not resume after the degraded stretch"
+    return max(last, turns.admits_started_after(killed_at)[0][1]) - killed_at
+
+
+@pytest.mark.redis_real
+@pytest.mark.slow
+def test_turns_survive_a_sentinel_failover(sentinel_group):
+    g = sentinel_group
+    gate = kvgate.Gate.from_url(g.url, gate="fo", config=cfg())
+    ops = kvgate.Gate.from_url(g.url, gate="fo", config=cfg())
+    writer = SnapshotWriter(ops)
+    turns = Turns(gate)
+    try:
+        wait_until(lambda: ops.status()["ceiling"] > 0, "the first snapshot")
+        turns.start()
+        wait_until(lambda: ops.status()["waiting"] > 0 and len(turns.admits_started_after(0)) > 10,
+                   "turns running with waiters queued")
+        killed_at = time.monotonic()
+        g.primary.stop(signal.SIGKILL)
+        # gating resumes by itself: an admission decided after the kill (its acquire began
+        # after it, so the old primary cannot have answered it) by the promoted replica
+        wait_until(lambda: turns.admits_started_after(killed_at), "an admission after the failover",
+                   bound_s=FAILOVER_BOUND_S, every_s=0.05)
+        assert all(g.master_port(s) == g.replica.port for s in g.sentinels)
+        assert role(g.replica) == "master"
+        time.sleep(2.0)  # turns keep running on the new primary
+        turns.join()
+        recovery = check_run(turns, killed_at)
+        print(f"\nsentinel failover: gating resumed {recovery:.1f}s after SIGKILL; "
+              f"{sum(d[4] == 'degraded' for d in turns.decisions)} of {len(turns.decisions)} turns degraded")
+        assert_exact_ledger(ops, settle(gate, ops, turns))
+    finally:
+        turns.stop.set()
+        writer.close()
+        gate.close()
+        ops.close()
+
+
+@pytest.mark.redis_real
+@pytest.mark.slow
+def test_core_flow_through_sentinel(sentinel_group, driver):
+    # a poller tick, both gates, status: everything a deployment sends, through the sentinels
+    core_flow(driver, sentinel_group.url)
+
+
+@pytest.mark.redis_real
+@pytest.mark.slow
+def test_managed_failover_that_loses_writes(tmp_path):
+    # the clients reach Redis at one endpoint (a unix socket path, as a managed service's
+    # DNS name) that is repointed to the promoted replica: the same URL, the same gates
+    endpoint = tmp_path / "redis.sock"
+    primary = start_redis(None, "--unixsocket", str(tmp_path / "primary.sock"))
+    procs = [primary]
+    try:
+        replica = start_replica(primary, "--unixsocket", str(tmp_path / "replica.sock"))
+        procs.append(replica)
+        os.symlink(tmp_path / "primary.sock", endpoint)
+        url = f"unix://{endpoint}?db=0"
+        gate = kvgate.Gate.from_url(url, gate="mf", config=cfg())
+        ops = kvgate.Gate.from_url(url, gate="mf", config=cfg())
+        writer = SnapshotWriter(ops)
+        turns = Turns(gate)
+        try:
+            wait_until(lambda: ops.status()["ceiling"] > 0, "the first snapshot")
+            turns.start()
+            wait_until(lambda: ops.status()["waiting"] > 0 and len(turns.admits_started_after(0)) > 10,
+                       "turns running with waiters queued")
+            # promote the replica while the turns still write to the old primary: what they
+            # write from here on (releases, grants, windows) is acknowledged and lost
+            replica.client().replicaof("NO", "ONE")
+            promoted_at = time.monotonic()
+            wait_until(lambda: len(turns.admits_started_after(promoted_at)) > 10, "turns on the old primary")
+            with turns.lock:
+                lost = sum(d[0] > promoted_at for d in turns.decisions)
+            killed_at = time.monotonic()
+            primary.stop(signal.SIGKILL)
+            os.replace(_new_link(tmp_path, replica), endpoint)  # the endpoint now names the replica
+            wait_until(lambda: turns.admits_started_after(killed_at), "an admission after the failover",
+                       bound_s=FAILOVER_BOUND_S, every_s=0.05)
+            time.sleep(2.0)  # turns keep running on the new primary
+            turns.join()
+            recovery = check_run(turns, killed_at)
+            print(f"\nmanaged failover: {lost} turns decided by the old primary after the promotion (lost); "
+                  f"gating resumed {recovery:.1f}s after SIGKILL")
+            assert_exact_ledger(ops, settle(gate, ops, turns))
+        finally:
+            turns.stop.set()
+            writer.close()
+            gate.close()
+            ops.close()
+    finally:
+        for p in procs:
+            p.stop(signal.SIGKILL)
+
+
+def _new_link(tmp_path, replica: RedisProc):
+    """A symlink to the replica's socket beside the endpoint, to rename over it atomically."""
+    link = tmp_path / "redis.sock.new"
+    os.symlink(tmp_path / "replica.sock", link)
+    return link
