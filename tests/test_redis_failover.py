@@ -95,6 +95,13 @@ def test_a_password_is_not_repeated_in_the_error():
     assert "hunter2" not in str(e.value) and "u:***@h1" in str(e.value)
 
 
+def test_the_cli_says_a_bad_sentinel_url_is_a_usage_error(capsys):
+    from kvgate.cli import main
+    with pytest.raises(SystemExit) as ei:
+        main(["status", "--redis", "redis+sentinel://h1:26379/", "--gate", "g"])
+    assert ei.value.code == 2 and "service" in capsys.readouterr().err
+
+
 def test_a_sentinel_url_with_cluster_is_refused():
     with pytest.raises(ValueError, match="cluster"):
         kvgate.Gate.from_url("redis+sentinel://h1/m", gate="g", cluster=True)
