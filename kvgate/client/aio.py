@@ -59,9 +59,12 @@ class AsyncGate(GateBase):
     @staticmethod
     def _client_from_url(url: str, cluster: bool, kw: dict) -> Any:
         if is_sentinel_url(url):
+            from redis.asyncio.retry import Retry
             from redis.asyncio.sentinel import Sentinel
+            from redis.backoff import NoBackoff
 
             su = _base.sentinel_url(url, cluster)  # see Gate._client_from_url
+            kw.setdefault("retry", Retry(NoBackoff(), 0))
             sentinel = Sentinel(su.sentinels, sentinel_kwargs={**_base._socket_kw(kw), **su.sentinel_kwargs})
             return sentinel.master_for(su.service, **{**kw, **su.master_kwargs})
         if cluster:

@@ -51,6 +51,10 @@ class Gate(GateBase):
     def _client_from_url(url: str, cluster: bool, kw: dict) -> Any:
         if is_sentinel_url(url):
             su = sentinel_url(url, cluster)
+            # no retries with backoff (redis-py's default waits seconds between them): a call
+            # to a dead primary fails within redis_timeout_s, the turn degrades, and the next
+            # call after the breaker asks the sentinels for the new primary
+            kw.setdefault("retry", Retry(NoBackoff(), 0))
             # the sentinels answer within the gate's bound too (a dead sentinel is skipped)
             sentinel = redis.sentinel.Sentinel(su.sentinels, sentinel_kwargs={**_socket_kw(kw), **su.sentinel_kwargs})
             return sentinel.master_for(su.service, **{**kw, **su.master_kwargs})
