@@ -13,8 +13,9 @@ The managed-style test makes that loss certain: the replica is promoted (``REPLI
 ONE``) while the turns still write to the old primary, then the old primary is killed and the
 clients' endpoint repointed. Without the client's replay of recently confirmed releases
 (kvgate.client.flows.REPLAY_S) the releases written in between stay charged on the new primary
-until ``lease_ttl_s``; without release.lua dropping a left-over waiter record, a turn the
-old primary had granted would be granted a second time.
+until ``lease_ttl_s``. Two focused tests on one server put a copy of the state back the way a
+promoted replica would hold it: a release lost is sent again, and a release drops the waiter
+record the copy kept of its turn (else it holds up the FIFO until its liveness runs out).
 
 The URL checks at the top need no server.
 """
@@ -129,6 +130,51 @@ def test_a_state_from_another_server_gets_the_recent_releases_again(redis_url):
         assert g.redis.hlen(g.key("leases")) == 0 and g.deferred_count == 0
     finally:
         g.close()
+
+
+@pytest.mark.redis_real
+def test_a_waiter_the_new_state_kept_is_dropped_by_its_release(redis_url):
+    # two processes: A's holds A; B's waited behind it. The copy has B still waiting; the old
+    # server then granted B (at A's release), B ran and was released. On the copy B's waiter
+    # would stay at the FIFO head (its process never asks again) until its liveness runs out,
+    # holding up every turn behind it and then taking a grant nobody claims; B's release,
+    # sent again, drops it
+    from _gatehelpers import in_thread, result_within
+    from _deployflow import wait_for_waiters
+    # a re-check every 3 s, so B's stale waiter record would live 7 s (2 polls + 1 s)
+    cfg = config(wait_poll_s=3.0, max_wait_s=5.0, max_wait_hard_s=60.0, staleness_s=60.0)  # no snapshot rewrite here
+    ga = kvgate.Gate.from_url(redis_url, gate="lin2", config=cfg)
+    gb = kvgate.Gate.from_url(redis_url, gate="lin2", config=cfg)
+    try:
+        ga.write_snapshot(engines(cap=CAPACITY))  # ceiling 900
+        big = dict(prompt_tokens=500, max_new_tokens=100, retain_session=False)
+        a = ga.acquire("a", **big)
+        waiting = in_thread(gb.acquire, "b", **big)
+        wait_for_waiters(ga, 1)
+        copy = {k: ga.redis.dump(k) for k in ga.redis.keys(ga.key("*"))}
+        a.release()
+        b = result_within(waiting, 10, "B's grant")
+        assert b.outcome == "admit"
+        b.release()
+        for k in ga.redis.keys(ga.key("*")):
+            ga.redis.delete(k)
+        for k, v in copy.items():
+            ga.redis.restore(k, 0, v, replace=True)
+        ga.redis.hset(ga.key("ledger"), "rid", "0" * 40)
+        # C fits beside A (600 + 10), but queues behind B's stale waiter until B's release,
+        # sent again before C's re-check, drops it
+        c = gb.acquire("c", prompt_tokens=5, max_new_tokens=5, retain_session=False)
+        assert c.outcome == "admit", c
+        c.release()
+        # A's process runs a turn: its reply names the new lineage, so A's release goes again
+        ga.acquire("d", prompt_tokens=5, max_new_tokens=5, retain_session=False).release()
+        st = ga.status()
+        assert (st["reserved"], st["leases"], st["waiting"]) == (0, 0, 0), st
+        # B's waiter left with B's release, not by running out of liveness (a dead waiter)
+        assert ga.redis.hget(ga.key("totals"), "dead_waiter") is None
+    finally:
+        ga.close()
+        gb.close()
 
 
 # -- the servers ---------------------------------------------------------------------------
