@@ -345,17 +345,22 @@ class SnapshotWriter:
         self.thread.join(timeout=10)
 
 
-def settle(gate: kvgate.Gate, ops: kvgate.Gate, turns: Turns) -> dict:
-    """After the run: every session ended, every deferred give-back sent; the status then."""
+def settle(gate: kvgate.Gate, ops: kvgate.Gate, turns: Turns) -> tuple[dict, int]:
+    """After the run: every session ended, every deferred give-back sent. The status then,
+    and how many releases and cancels the gate sent again for the new primary."""
     for g, sid in sorted(turns.sessions, key=lambda x: x[1]):
         g.finish_session(sid)
+    replayed = 0
 
     def flushed() -> bool:
-        gate.step_metrics()  # any script call sends what is deferred (once the breaker closes)
+        nonlocal replayed
+        # any script call sends what is deferred (once the breaker closes); the metrics
+        # drain this process's counters, so they are summed here
+        replayed += int(gate.step_metrics()["agentic_kv/client/replayed"])
         return gate.deferred_count == 0
     wait_until(flushed, "the deferred releases reaching Redis", every_s=0.3)
     ops.housekeep()
-    return ops.status()
+    return ops.status(), replayed
 
 
 def assert_exact_ledger(ops: kvgate.Gate, st: dict) -> None:
@@ -416,7 +421,9 @@ def test_turns_survive_a_sentinel_failover(sentinel_group):
         time.sleep(2.0)  # turns keep running on the new primary
         turns.join()
         print(f"\nsentinel failover: {check_run(turns, killed_at)}")
-        assert_exact_ledger(ops, settle(gate, ops, turns))
+        st, replayed = settle(gate, ops, turns)
+        assert_exact_ledger(ops, st)
+        assert replayed > 0  # the promoted replica's state was told apart from the old one's
     finally:
         turns.stop.set()
         writer.close()
@@ -469,7 +476,9 @@ def test_managed_failover_that_loses_writes(tmp_path):
             turns.join()
             print(f"\nmanaged failover: {lost} turns decided by the old primary after the promotion "
                   f"(their writes lost); {check_run(turns, killed_at)}")
-            assert_exact_ledger(ops, settle(gate, ops, turns))
+            st, replayed = settle(gate, ops, turns)
+            assert_exact_ledger(ops, st)
+            assert replayed > 0  # the releases the old primary confirmed went to the new one
         finally:
             turns.stop.set()
             writer.close()

@@ -813,12 +813,13 @@ class GateFlows:
                 items.append((t, script, params))
         done = 0
         try:
-            for _, script, params in items:
+            for t, script, params in items:
                 try:
                     self._note_lineage((yield self.eval_op(script, params)))
                 except RedisDown as e:
                     self.trip()
                     raise BreakerOpen(f"Redis faulted while sending deferred releases: {e}") from e
+                self._confirm(t, script, params)  # a failover right after may lose it too
                 done += 1
         finally:
             with self._lock:
