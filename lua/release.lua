@@ -17,7 +17,7 @@
     turn_index (int, optional): the turn's index in its session (indices past 63 count as 63)
     knobs: admission, residency, high_watermark, pressure_threshold, headroom,
       budget_scale, staleness_ms, lease_ttl_ms, claim_ms, idle_grace_ms, reap_batch, channel
-  Returns: JSON {released=0|1, granted=<FIFO grants made>, lin=lineage (common.lua)}
+  Returns: JSON {released=0|1, granted=<FIFO grants made>, srv=the Redis process's run_id (common.lua server_id)}
   Publishes: "g <ticket>" for each FIFO head granted.
   Errors: a required parameter that is missing (includes/common.lua).
 ]]
@@ -40,4 +40,4 @@ reap(P.reap_batch)
 local snap = snapshot()
 trim(snap, P.reap_batch)
 local g = advance(P.reap_batch, snap)
-return cjson.encode({ released = l and 1 or 0, granted = g, lin = lineage() })
+return cjson.encode({ released = l and 1 or 0, granted = g, srv = server_id() })

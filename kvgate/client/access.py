@@ -30,7 +30,7 @@ REQUIRED_COMMANDS = (
     "hget", "hmget", "hgetall", "hvals", "hlen", "hrandfield", "hset", "hincrby", "hincrbyfloat",
     "hdel", "zadd", "zcard", "zrange", "zrangebyscore", "zrank", "zrevrange", "zscore", "zrem",
     "del", "time", "publish",
-    # inside the scripts: the server's run_id, which tells a failover (common.lua lineage())
+    # inside the scripts: the server's run_id, which tells a failover (common.lua server_id)
     "info",
     # the waiters' wake-ups (pub/sub on the gate's channel)
     "subscribe", "unsubscribe",

@@ -55,8 +55,8 @@ MAX_DEFERRED = 4096
 #: most deferred give-backs one call sends before its own script
 DEFERRED_BATCH = 32
 #: releases and cancels Redis confirmed within this many seconds before the latest one are
-#: sent again when the gate's state turns out to come from another Redis process (its lineage
-#: changed: a failover): the replica promoted lacked the writes it had not received yet, and a
+#: sent again when another Redis process answers (its run_id changed: a failover): the
+#: replica promoted lacked the writes it had not received yet, and a
 #: lost release would keep its lease charged until ``lease_ttl_s``
 #: (docs/decisions.md#failover-replays-give-backs). Far above any healthy replication lag.
 REPLAY_S = 10.0
@@ -389,9 +389,9 @@ class GateFlows:
         # before the next script call once the breaker is closed (docs/concepts.md#failing-open)
         self._deferred: OrderedDict[str, tuple[str, dict]] = OrderedDict()
         # releases and cancels Redis confirmed lately: ticket -> (clock(), script, params);
-        # deferred again when the lineage changes, as a failover may have lost them (REPLAY_S)
+        # deferred again when another Redis process answers, as a failover may have lost them
         self._confirmed: OrderedDict[str, tuple[float, str, dict]] = OrderedDict()
-        self._lineage: int | None = None  # the lineage the scripts last answered
+        self._server: str | None = None  # the run_id of the Redis process that answered last
         self.local: Counter = Counter()  # outcomes decided without Redis (pass, degraded on faults)
         self.turns: Counter = Counter()  # session -> next turn index
         self.last_end: OrderedDict[str, float] = OrderedDict()  # session -> clock() at its last turn end
@@ -701,18 +701,18 @@ class GateFlows:
     def trip(self) -> None:
         self._breaker_until = self.clock() + BREAKER_S
 
-    def _note_lineage(self, reply: Any) -> None:
-        """A script's reply names the state's lineage (common.lua lineage()): when it changed,
-        the state came from another Redis process, which may lack the give-backs it confirmed
-        lately; they are deferred again (sent before the next call). Both scripts are
-        idempotent per ticket (a ticket is never reused), so one that did arrive changes
-        nothing the second time."""
-        lin = reply.get("lin") if isinstance(reply, dict) else None
-        if lin is None:
+    def _note_server(self, reply: Any) -> None:
+        """A turn script's reply names the Redis process that ran it (common.lua server_id).
+        When that changed, another process serves the gate's state (a promoted replica, a
+        restart), which may lack the give-backs the last one confirmed lately: they are
+        deferred again (sent before the next call). Both scripts are idempotent per ticket (a
+        ticket is never reused), so one that did arrive changes nothing the second time."""
+        srv = reply.get("srv") if isinstance(reply, dict) else None
+        if srv is None:
             return
         with self._lock:
-            changed = self._lineage is not None and lin != self._lineage
-            self._lineage = lin
+            changed = self._server is not None and srv != self._server
+            self._server = srv
             if not changed:
                 return
             replay, self._confirmed = self._confirmed, OrderedDict()
@@ -721,8 +721,8 @@ class GateFlows:
                     self._deferred[ticket] = (script, params)
                     self.local["replayed"] += 1
             self._drop_oldest()
-        log.warning("gate %s: Redis state changed hands (a failover or a restart from a persisted copy): "
-                    "sending %d recent releases and cancels again", self.name, len(replay))
+        log.warning("gate %s: another Redis process answers (a failover or a restart): sending %d recent "
+                    "releases and cancels again", self.name, len(replay))
 
     def _confirm(self, ticket: str, script: str, params: dict) -> None:
         """Remember a give-back Redis confirmed, for REPLAY_S after the latest one."""
@@ -748,7 +748,7 @@ class GateFlows:
         except RedisDown:
             self.trip()
             raise
-        self._note_lineage(r)
+        self._note_server(r)
         return r
 
     def _command(self, op: Command | Pipeline, breaker: bool = True) -> Flow:
@@ -815,7 +815,7 @@ class GateFlows:
         try:
             for t, script, params in items:
                 try:
-                    self._note_lineage((yield self.eval_op(script, params)))
+                    self._note_server((yield self.eval_op(script, params)))
                 except RedisDown as e:
                     self.trip()
                     raise BreakerOpen(f"Redis faulted while sending deferred releases: {e}") from e

@@ -186,27 +186,18 @@ local function account()
   redis.call("HSET", K.ledger, "acc_ts", I(NOW))
 end
 
--- the gate state's lineage: a number that changes whenever the state is found in another
--- Redis process than the one that last wrote it (INFO's run_id, kept in the ledger as rid):
--- a promoted replica, or a restart that loaded a persisted copy. Such a copy may lack writes
--- the clients saw acknowledged (replication is asynchronous), so the clients send their
--- recent releases and cancels again when it changes (docs/decisions.md#failover-replays-give-backs).
--- Ledger fields rid, lin. A server without INFO in scripts (fakeredis) has no lineage: nil.
-local function lineage()
+-- the run_id of the Redis process running this script (INFO server), sent back in the
+-- replies of the turn scripts: a client that sees it change knows another process now serves
+-- the gate's state (a promoted replica, a restart), which may lack writes it saw acknowledged
+-- (replication is asynchronous), and sends its recent releases and cancels again
+-- (docs/decisions.md#failover-replays-give-backs). nil where scripts cannot call INFO (fakeredis).
+local function server_id()
   local info = redis.pcall("INFO", "server")
   if type(info) == "table" and info.err then
     if string.find(string.lower(tostring(info.err)), "unknown command", 1, true) then return nil end
     info = redis.call("INFO", "server")  -- anything else (an ACL refusal) raised as Redis words it
   end
-  local rid = string.match(info, "run_id:(%x+)")
-  if rid == nil then return nil end
-  local cur = redis.call("HMGET", K.ledger, "rid", "lin")
-  local lin = tonumber(cur[2]) or 0
-  if cur[1] ~= rid then
-    lin = lin + 1
-    redis.call("HSET", K.ledger, "rid", rid, "lin", lin)
-  end
-  return lin
+  return string.match(info, "run_id:(%x+)")
 end
 
 -- when the gate last made progress (ms), or nil if it never did
