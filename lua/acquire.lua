@@ -27,7 +27,7 @@
     knobs: admission, residency, high_watermark, pressure_threshold, hit_threshold, headroom,
       budget_scale, staleness_ms, lease_ttl_ms, claim_ms, idle_grace_ms, alive_ms,
       max_wait_ms, max_wait_hard_ms, reap_batch, channel
-  Returns: JSON {o=outcome, r=reason, ep=epoch, w=waited ms, t=charged tokens, held=1 (rule 4),
+  Returns: JSON {o=outcome, r=reason, ep=epoch, srv=the Redis process's run_id (common.lua server_id), w=waited ms, t=charged tokens, held=1 (rule 4),
     pos=FIFO position (wait), b=when a new attempt began (probe: send it back as t0)}
     o = "admit" | "bypass" | "wait" | "probe" (not enqueued: probe, then call again with the
     answer) | "preempted" (r "preempted" or "session_finished"); an aged head is admitted with
@@ -68,7 +68,7 @@ local function out(o, r, extra)
     end
     inherited = nil
   end
-  local res = { o = o, r = r, ep = epoch() }
+  local res = { o = o, r = r, ep = epoch(), srv = server_id() }
   if extra then for k, v in pairs(extra) do res[k] = v end end
   return cjson.encode(res)
 end

@@ -13,7 +13,7 @@
       cancel; absent: a cancel
     knobs: admission, residency, high_watermark, pressure_threshold, headroom,
       budget_scale, staleness_ms, lease_ttl_ms, claim_ms, idle_grace_ms, reap_batch, channel
-  Returns: JSON {removed="waiter"|"lease"|"none"}
+  Returns: JSON {removed="waiter"|"lease"|"none", srv=the Redis process's run_id (common.lua server_id)}
   Publishes: "g <ticket>" for each FIFO head granted after the removal.
   Errors: a required parameter that is missing (includes/common.lua).
 ]]
@@ -42,4 +42,4 @@ if free_lease(P.ticket) then
   stat("cancelled")
 end
 advance(P.reap_batch, nil)
-return cjson.encode({ removed = removed })
+return cjson.encode({ removed = removed, srv = server_id() })

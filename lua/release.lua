@@ -2,7 +2,9 @@
   release.lua: an admitted turn is done; give back its lease (idempotent per ticket).
   A lease held under an ownership window turns the window idle for the idle grace (still
   charged; a window revoked while held ends instead); any other lease returns its tokens to
-  the ledger. Then a bounded reap, the trim of an over-committed ledger (idle windows longest
+  the ledger. A waiter record of the ticket is dropped too: one exists only when Redis lost
+  the write that admitted it (a failover to a replica that had not replicated it yet), and
+  the turn it stood for has run. Then a bounded reap, the trim of an over-committed ledger (idle windows longest
   idle first), and the FIFO advances.
 
   KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp, windows,
@@ -15,7 +17,7 @@
     turn_index (int, optional): the turn's index in its session (indices past 63 count as 63)
     knobs: admission, residency, high_watermark, pressure_threshold, headroom,
       budget_scale, staleness_ms, lease_ttl_ms, claim_ms, idle_grace_ms, reap_batch, channel
-  Returns: JSON {released=0|1, granted=<FIFO grants made>}
+  Returns: JSON {released=0|1, granted=<FIFO grants made>, srv=the Redis process's run_id (common.lua server_id)}
   Publishes: "g <ticket>" for each FIFO head granted.
   Errors: a required parameter that is missing (includes/common.lua).
 ]]
@@ -26,6 +28,8 @@
 --@include waiters
 account()
 
+local w = jget(K.waiters, P.ticket)
+if w then drop_waiter(P.ticket, w) end
 local l = free_lease(P.ticket)
 if l and OPT.latency_ms ~= nil and OPT.turn_index ~= nil then
   local b = math.min(math.floor(num(OPT.turn_index, 0)), 63)
@@ -36,4 +40,4 @@ reap(P.reap_batch)
 local snap = snapshot()
 trim(snap, P.reap_batch)
 local g = advance(P.reap_batch, snap)
-return cjson.encode({ released = l and 1 or 0, granted = g })
+return cjson.encode({ released = l and 1 or 0, granted = g, srv = server_id() })

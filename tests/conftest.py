@@ -154,12 +154,19 @@ def _log_tail(workdir: str, n: int = 5) -> str:
     return " | ".join(lines[-n:]) or "(empty log)"
 
 
-def _spawn(port: int, extra: list[str], wait_s: float) -> tuple[RedisProc | None, str]:
+def _spawn(port: int, extra: list[str], wait_s: float, config: str | None = None) -> tuple[RedisProc | None, str]:
     """Start one redis-server on ``port``: (the process, "") once it answers as itself, or
     (None, why) when it exited early (a taken port). Not answering within ``wait_s`` while
-    running raises: another port would not help."""
+    running raises: another port would not help. ``config``: the text of a config file,
+    written into the server's own directory and passed first (where redis-server reads one;
+    a sentinel also rewrites it, so each server gets its own copy)."""
     workdir = tempfile.mkdtemp(prefix="kvgate-redis-")
-    args = [REDIS_BIN, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+    conf = []
+    if config is not None:
+        conf = [os.path.join(workdir, "redis.conf")]
+        with open(conf[0], "w") as f:
+            f.write(config)
+    args = [REDIS_BIN, *conf, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", workdir, "--logfile", os.path.join(workdir, "log"), *extra]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rp = RedisProc(port, proc, workdir, list(extra))
@@ -184,11 +191,13 @@ def _spawn(port: int, extra: list[str], wait_s: float) -> tuple[RedisProc | None
 
 
 def start_redis(port: int | None = None, *extra: str, wait_s: float = 10.0,
-                attempts: int = START_ATTEMPTS) -> RedisProc:
+                attempts: int = START_ATTEMPTS, config: str | None = None) -> RedisProc:
     """A private redis-server. Without ``port`` a free one is picked, and a start that fails
     (the port was taken meanwhile) is retried on another port, ``attempts`` times. With a
     ``port`` (a restart on the same port) the same port is retried. ``{port}`` in an extra
-    argument is replaced by the port tried (a cluster node's config file name)."""
+    argument is replaced by the port tried (a cluster node's config file name). ``config``:
+    a config file's text, passed as the first argument (a sentinel: ``config="sentinel
+    monitor ..."`` with ``"--sentinel"`` in ``extra``)."""
     require_marker("redis_real")
     if REDIS_BIN is None:
         require_binaries("redis-server")
@@ -198,7 +207,7 @@ def start_redis(port: int | None = None, *extra: str, wait_s: float = 10.0,
     why = []
     for attempt in range(attempts):
         p = port if port is not None else free_port(cluster_bus=cluster)
-        rp, err = _spawn(p, [a.replace("{port}", str(p)) for a in extra], wait_s)
+        rp, err = _spawn(p, [a.replace("{port}", str(p)) for a in extra], wait_s, config)
         if rp is not None:
             return rp
         why.append(f"port {p}: {err}")

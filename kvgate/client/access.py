@@ -30,6 +30,8 @@ REQUIRED_COMMANDS = (
     "hget", "hmget", "hgetall", "hvals", "hlen", "hrandfield", "hset", "hincrby", "hincrbyfloat",
     "hdel", "zadd", "zcard", "zrange", "zrangebyscore", "zrank", "zrevrange", "zscore", "zrem",
     "del", "time", "publish",
+    # inside the scripts: the server's run_id, which tells a failover (common.lua server_id)
+    "info",
     # the waiters' wake-ups (pub/sub on the gate's channel)
     "subscribe", "unsubscribe",
     # the poller's leader lease (redis-py's Lock: SET NX PX, and its scripts) and `kvgate status`
@@ -59,7 +61,7 @@ def probe_commands(gate: str) -> Pipeline:
         ("ZADD", z, 0, "m"), ("ZCARD", z), ("ZRANGE", z, 0, 0), ("ZRANGEBYSCORE", z, 0, 0), ("ZRANK", z, "m"),
         ("ZREVRANGE", z, 0, 0), ("ZSCORE", z, "m"), ("ZREM", z, "m"),
         ("GET", s), ("SET", s, "0", "PX", 60000), ("PEXPIRE", s, 60000), ("PTTL", s),
-        ("TIME",), ("PUBLISH", _keys.channel(gate), "c access-check"),
+        ("TIME",), ("INFO", "server"), ("PUBLISH", _keys.channel(gate), "c access-check"),
         ("SCRIPT", "LOAD", "return 0"), ("EVALSHA", "0" * 40, 0),
         ("DEL", h, z, s),
     ]

@@ -16,12 +16,25 @@ from .flows import Eval, Probe, RedisDown, Run
 from .lifecycle import CloseResult, aclose_session
 from .probe import ProbeResult, ProbeThreads, coerce
 from .._aio import wait_for
+from .._urls import is_sentinel_url
 
 __all__ = ["AsyncGate", "AsyncLease"]
 
 # and the call deadline; and RuntimeError, which redis-py's asyncio client raises for a
 # connection of another event loop ("attached to a different loop", "Event loop is closed")
 REDIS_ERRORS = _base.REDIS_ERRORS + (asyncio.TimeoutError, RuntimeError)
+
+
+async def _close_sentinels(client: Any) -> None:
+    """Close the sentinels' connections of a client ``from_url`` built through Sentinel
+    (redis-py's asyncio ``Sentinel`` has no close of its own)."""
+    from redis.asyncio.sentinel import SentinelConnectionPool
+
+    pool = getattr(client, "connection_pool", None)
+    if isinstance(pool, SentinelConnectionPool):
+        for s in pool.sentinel_manager.sentinels:
+            with contextlib.suppress(Exception):
+                await s.aclose()
 
 
 class AsyncLease(Lease):
@@ -45,6 +58,15 @@ class AsyncGate(GateBase):
 
     @staticmethod
     def _client_from_url(url: str, cluster: bool, kw: dict) -> Any:
+        if is_sentinel_url(url):
+            from redis.asyncio.retry import Retry
+            from redis.asyncio.sentinel import Sentinel
+            from redis.backoff import NoBackoff
+
+            su = _base.sentinel_url(url, cluster)  # see Gate._client_from_url
+            kw.setdefault("retry", Retry(NoBackoff(), 0))
+            sentinel = Sentinel(su.sentinels, sentinel_kwargs={**_base._socket_kw(kw), **su.sentinel_kwargs})
+            return sentinel.master_for(su.service, **{**kw, **su.master_kwargs})
         if cluster:
             from redis.asyncio.cluster import RedisCluster
             from redis.asyncio.retry import Retry
@@ -73,6 +95,7 @@ class AsyncGate(GateBase):
                 if self._owns_client:  # a client passed in is the caller's (see Gate.close)
                     with contextlib.suppress(Exception):
                         await self.redis.aclose()
+                    await _close_sentinels(self.redis)
 
     async def __aenter__(self) -> "AsyncGate":
         return self

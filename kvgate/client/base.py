@@ -11,6 +11,7 @@ from typing import Any, Callable, Generator, Sequence
 import redis
 
 from .. import keys as _keys
+from .._urls import SentinelURL, parse_sentinel_url
 from ..config import GateConfig
 from . import access
 from .flows import AccessDenied, Command, Decision, GateFlows, Pipeline
@@ -52,6 +53,18 @@ def wait_step(deadline: float, abort_event: Any, poll_abort: bool) -> str | floa
     return min(left, 0.05) if poll_abort else left
 
 
+def sentinel_url(url: str, cluster: bool) -> SentinelURL:
+    """A ``redis+sentinel://`` URL parsed (kvgate._urls), for either driver's ``from_url``."""
+    if cluster:
+        raise ValueError("a Sentinel URL names one primary: cluster=True does not apply to it")
+    return parse_sentinel_url(url)
+
+
+def _socket_kw(kw: dict) -> dict:
+    """The socket bounds of a gate's client, which the sentinels' connections get too."""
+    return {k: v for k, v in kw.items() if k.startswith("socket_")}
+
+
 class GateBase:
     """The surface ``Gate`` and ``AsyncGate`` share. Each public method runs one flow through
     the driver's ``_run``: on an ``AsyncGate`` await what it returns."""
@@ -78,7 +91,11 @@ class GateBase:
     def from_url(cls, url: str, gate: str, config: GateConfig | None = None, probe: Any = None,
                  cluster: bool = False, **redis_kwargs: Any) -> Any:
         """A gate over a client this builds (and closes with the gate), with the connect and
-        command timeouts of ``config.redis_timeout_s``."""
+        command timeouts of ``config.redis_timeout_s``. ``url`` is a redis-py URL
+        (``redis://``, ``rediss://``, ``unix://``) or a Sentinel URL
+        (``redis+sentinel://host:26379,host2:26379/<service>?db=0``, docs/deploy.md#sentinel):
+        the client then follows the primary that Sentinel names. A malformed URL raises
+        ValueError before any connection is made."""
         cfg = GateConfig.from_env() if config is None else config
         kw = dict(socket_connect_timeout=cfg.redis_timeout_s, socket_timeout=cfg.redis_timeout_s)
         kw.update(redis_kwargs)

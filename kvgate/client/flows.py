@@ -54,6 +54,12 @@ BREAKER_S = 1.0
 MAX_DEFERRED = 4096
 #: most deferred give-backs one call sends before its own script
 DEFERRED_BATCH = 32
+#: releases and cancels Redis confirmed within this many seconds before the latest one are
+#: sent again when another Redis process answers (its run_id changed: a failover): the
+#: replica promoted lacked the writes it had not received yet, and a
+#: lost release would keep its lease charged until ``lease_ttl_s``
+#: (docs/decisions.md#failover-replays-give-backs). Far above any healthy replication lag.
+REPLAY_S = 10.0
 #: sessions whose last turn end this process remembers (for the tool gap it reports)
 MAX_TRACKED_SESSIONS = 65536
 #: a close that went to no engine is logged at most once per this many seconds (always counted)
@@ -382,6 +388,10 @@ class GateFlows:
         # releases and cancels Redis has not confirmed: ticket -> (script, params); sent
         # before the next script call once the breaker is closed (docs/concepts.md#failing-open)
         self._deferred: OrderedDict[str, tuple[str, dict]] = OrderedDict()
+        # releases and cancels Redis confirmed lately: ticket -> (clock(), script, params);
+        # deferred again when another Redis process answers, as a failover may have lost them
+        self._confirmed: OrderedDict[str, tuple[float, str, dict]] = OrderedDict()
+        self._server: str | None = None  # the run_id of the Redis process that answered last
         self.local: Counter = Counter()  # outcomes decided without Redis (pass, degraded on faults)
         self.turns: Counter = Counter()  # session -> next turn index
         self.last_end: OrderedDict[str, float] = OrderedDict()  # session -> clock() at its last turn end
@@ -691,6 +701,39 @@ class GateFlows:
     def trip(self) -> None:
         self._breaker_until = self.clock() + BREAKER_S
 
+    def _note_server(self, reply: Any) -> None:
+        """A turn script's reply names the Redis process that ran it (common.lua server_id).
+        When that changed, another process serves the gate's state (a promoted replica, a
+        restart), which may lack the give-backs the last one confirmed lately: they are
+        deferred again (sent before the next call). Both scripts are idempotent per ticket (a
+        ticket is never reused), so one that did arrive changes nothing the second time."""
+        srv = reply.get("srv") if isinstance(reply, dict) else None
+        if srv is None:
+            return
+        with self._lock:
+            changed = self._server is not None and srv != self._server
+            self._server = srv
+            if not changed:
+                return
+            replay, self._confirmed = self._confirmed, OrderedDict()
+            for ticket, (_, script, params) in replay.items():
+                if ticket not in self._deferred:
+                    self._deferred[ticket] = (script, params)
+                    self.local["replayed"] += 1
+            self._drop_oldest()
+        log.warning("gate %s: another Redis process answers (a failover or a restart): sending %d recent "
+                    "releases and cancels again", self.name, len(replay))
+
+    def _confirm(self, ticket: str, script: str, params: dict) -> None:
+        """Remember a give-back Redis confirmed, for REPLAY_S after the latest one."""
+        now = self.clock()
+        with self._lock:
+            self._confirmed[ticket] = (now, script, params)
+            self._confirmed.move_to_end(ticket)
+            while self._confirmed and (len(self._confirmed) > MAX_DEFERRED
+                                       or next(iter(self._confirmed.values()))[0] < now - REPLAY_S):
+                self._confirmed.popitem(last=False)
+
     def _script(self, name: str, params: dict) -> Flow:
         """A script call of the turn path: refused while the breaker is open, after the
         deferred give-backs, and a fault trips the breaker. Raises RedisDown."""
@@ -699,12 +742,14 @@ class GateFlows:
         if self._deferred:
             yield from self.flush()
         try:
-            return (yield self.eval_op(name, params))
+            r = yield self.eval_op(name, params)
         except AccessDenied as e:
             raise RedisAccessDenied(str(e), e.error) from e.error
         except RedisDown:
             self.trip()
             raise
+        self._note_server(r)
+        return r
 
     def _command(self, op: Command | Pipeline, breaker: bool = True) -> Flow:
         """Plain commands outside the scripts: skipped while the breaker is open (unless
@@ -733,10 +778,12 @@ class GateFlows:
         """Send a release or cancel; one Redis did not confirm is kept to send later (both are
         idempotent per ticket). The reply, or None when deferred."""
         try:
-            return (yield from self._script(script, params))
+            r = yield from self._script(script, params)
         except RedisDown:
             self._defer(ticket, script, params)
             return None
+        self._confirm(ticket, script, params)
+        return r
 
     def _defer(self, ticket: str, script: str, params: dict) -> None:
         with self._lock:
@@ -766,12 +813,13 @@ class GateFlows:
                 items.append((t, script, params))
         done = 0
         try:
-            for _, script, params in items:
+            for t, script, params in items:
                 try:
-                    yield self.eval_op(script, params)
+                    self._note_server((yield self.eval_op(script, params)))
                 except RedisDown as e:
                     self.trip()
                     raise BreakerOpen(f"Redis faulted while sending deferred releases: {e}") from e
+                self._confirm(t, script, params)  # a failover right after may lose it too
                 done += 1
         finally:
             with self._lock:

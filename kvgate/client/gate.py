@@ -9,11 +9,13 @@ import warnings
 from typing import Any, Callable, Generator, Iterator
 
 import redis
+import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from .._urls import is_sentinel_url
 from . import access
-from .base import REDIS_ERRORS, GateBase, Lease, json_reply, ticket_to_wake, wait_step
+from .base import REDIS_ERRORS, GateBase, _socket_kw, sentinel_url, Lease, json_reply, ticket_to_wake, wait_step
 from .flows import Eval, Probe, RedisDown, Run
 from .lifecycle import CloseResult, close_session
 from .probe import ProbeResult, ProbeThreads, coerce
@@ -47,6 +49,15 @@ class Gate(GateBase):
 
     @staticmethod
     def _client_from_url(url: str, cluster: bool, kw: dict) -> Any:
+        if is_sentinel_url(url):
+            su = sentinel_url(url, cluster)
+            # no retries with backoff (redis-py's default waits seconds between them): a call
+            # to a dead primary fails within redis_timeout_s, the turn degrades, and the next
+            # call after the breaker asks the sentinels for the new primary
+            kw.setdefault("retry", Retry(NoBackoff(), 0))
+            # the sentinels answer within the gate's bound too (a dead sentinel is skipped)
+            sentinel = redis.sentinel.Sentinel(su.sentinels, sentinel_kwargs={**_socket_kw(kw), **su.sentinel_kwargs})
+            return sentinel.master_for(su.service, **{**kw, **su.master_kwargs})
         if cluster:
             # RedisCluster retries timeouts 10 times with backoff by default: a stalled primary
             # would hold each call ~14 s instead of redis_timeout_s (the breaker then degrades
@@ -69,6 +80,9 @@ class Gate(GateBase):
         if self._owns_client:
             with contextlib.suppress(Exception):
                 self.redis.close()
+            if isinstance(getattr(self.redis, "connection_pool", None), redis.sentinel.SentinelConnectionPool):
+                with contextlib.suppress(Exception):
+                    self.redis.connection_pool.sentinel_manager.close()  # the sentinels' connections
 
     def __enter__(self) -> "Gate":
         return self

@@ -83,6 +83,8 @@ def build_step_metrics(raw: dict | None, config: Any, local: dict) -> dict[str, 
     # open), kept to send once Redis answers; dropped ones are left to lease_ttl_s
     m[P + "client/deferred"] = _f(st, "deferred")
     m[P + "client/deferred_dropped"] = _f(st, "deferred_dropped")
+    # releases and cancels sent again because the state came from another Redis (a failover)
+    m[P + "client/replayed"] = _f(st, "replayed")
     n = _f(st, "usage_n")
     if n:
         m[P + "budget/kv_token_usage_mean"] = _f(st, "usage_sum") / n

@@ -186,6 +186,20 @@ local function account()
   redis.call("HSET", K.ledger, "acc_ts", I(NOW))
 end
 
+-- the run_id of the Redis process running this script (INFO server), sent back in the
+-- replies of the turn scripts: a client that sees it change knows another process now serves
+-- the gate's state (a promoted replica, a restart), which may lack writes it saw acknowledged
+-- (replication is asynchronous), and sends its recent releases and cancels again
+-- (docs/decisions.md#failover-replays-give-backs). nil where scripts cannot call INFO (fakeredis).
+local function server_id()
+  local info = redis.pcall("INFO", "server")
+  if type(info) == "table" and info.err then
+    if string.find(string.lower(tostring(info.err)), "unknown command", 1, true) then return nil end
+    info = redis.call("INFO", "server")  -- anything else (an ACL refusal) raised as Redis words it
+  end
+  return string.match(info, "run_id:(%x+)")
+end
+
 -- when the gate last made progress (ms), or nil if it never did
 local function last_progress()
   return tonumber(redis.call("HGET", K.ledger, "progress_ms"))
