@@ -4,7 +4,9 @@ The driver (``kvgate.tools.sim.engine``) calls :meth:`RankScheduler.begin_iterat
 sleeps ``iteration.duration_s * time_scale`` and then calls
 :meth:`RankScheduler.end_iteration`; all state changes happen inside those two
 calls (and in submit / abort / close_session), so the model is deterministic and
-testable with no clock at all.
+testable with no clock at all. The module is over 400 lines on purpose: prefill
+admission, the decode step, block growth, retraction and the cache's accounting all change
+the one rank's state inside those calls, and split apart they would pass it back and forth.
 
 What one iteration is, as in SGLang's event loop (``get_next_batch_to_run``):
 
