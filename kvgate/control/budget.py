@@ -130,8 +130,8 @@ class BudgetController:
         if retained is not None and before <= 1.0:
             old = self.ledger_retained
             self.ledger_retained = retained if old is None else old + EWMA * (retained - old)
-        busy_waste = waste if waste is not None else 0.0
-        if idle is not None and idle >= IDLE_FLOOR and idle > busy_waste:
+        known_waste = waste if waste is not None else 0.0
+        if idle is not None and idle >= IDLE_FLOOR and idle > known_waste:
             # the engines lost more time idling with turns waiting than re-prefilling: used,
             # that idle time would carry 1 / (1 - idle) times the work (at most double it)
             if before < self.limit:
