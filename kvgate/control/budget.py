@@ -154,14 +154,13 @@ class BudgetController:
         """The share of the engines' time spent re-prefilling (None without prefill time)."""
         if None in (s.engine_prefill_s, r.engine_prefill_s) or span_ms <= 0:
             return None
-        uncached = (r.engine_queries - s.engine_queries) - (r.engine_hits - s.engine_hits)
+        uncached, reprefilled = _prefilled(s, r)
         if uncached >= MIN_PREFILL_TOKENS:
             cost = (r.engine_prefill_s - s.engine_prefill_s) / uncached
             if cost > 0 and (self.token_cost is None or cost < self.token_cost):
                 self.token_cost = cost
         if self.token_cost is None:
             return None
-        reprefilled = max(0.0, uncached - (r.tok_fresh - s.tok_fresh))
         return self.token_cost * reprefilled / (span_ms / 1000.0 * max(1, r.engines))
 
 
@@ -184,6 +183,11 @@ def _retained(s: Reading, r: Reading) -> float | None:
     reusable = r.tok_reusable - s.tok_reusable
     if reusable <= 0:
         return None
+    return max(0.0, 1.0 - _prefilled(s, r)[1] / reusable)
+
+
+def _prefilled(s: Reading, r: Reading) -> tuple[float, float]:
+    """What the engines prefilled over the window (lookups - hits), and of it the re-prefill:
+    the part beyond the fresh tokens the gate admitted."""
     uncached = (r.engine_queries - s.engine_queries) - (r.engine_hits - s.engine_hits)
-    reprefilled = max(0.0, uncached - (r.tok_fresh - s.tok_fresh))
-    return max(0.0, 1.0 - reprefilled / reusable)
+    return uncached, max(0.0, uncached - (r.tok_fresh - s.tok_fresh))
