@@ -19,7 +19,8 @@ class Gate:
     kept `retained` of the reusable history. With `cost` (seconds per prefilled token) the
     engines also report their prefill time, as vLLM and the simulator do."""
 
-    def __init__(self, held: int = 4, counters: bool = True, cost: float | None = None):
+    def __init__(self, held: int = 4, counters: bool = True, cost: float | None = None,
+                 capacity: float | None = None):
         self.t = 1_700_000_000_000.0
         self.wait = self.idle = 0.0
         self.released = self.fresh = self.reusable = 0
@@ -28,13 +29,15 @@ class Gate:
         self.held = held
         self.counters = counters
         self.cost = cost
+        self.capacity = capacity
 
     def reading(self) -> Reading:
         return Reading(now_ms=self.t, wait_ms=self.wait, idle_ms=self.idle, released=self.released,
                        tok_fresh=self.fresh, tok_reusable=self.reusable, held=self.held,
                        engine_queries=self.queries if self.counters else None,
                        engine_hits=self.hits if self.counters else None,
-                       engine_prefill_s=self.prefill_s if self.cost is not None else None)
+                       engine_prefill_s=self.prefill_s if self.cost is not None else None,
+                       capacity_tokens=self.capacity)
 
     def window(self, *, idle: float, retained: float | None = None, waste: float | None = None,
                waiting: float = 1.0, span_ms: float = 10_000, releases: int = MIN_RELEASES,
@@ -292,3 +295,27 @@ def test_with_prefill_time_it_settles_between_idle_and_thrash():
     settled = trace[10:]
     assert all(0.5 <= s <= 0.7 for s in settled), settled
     assert max(settled) - min(settled) < 0.1, settled
+
+
+def test_over_commit_is_bounded_by_what_the_idle_time_could_re_prefill():
+    # 3 s of a 10 s window idle; a pool of 10,000 tokens at 2 ms a token: over-committing it
+    # by 1,500 tokens re-prefills at least 3 s a turnover, so the scale stops at 1.15, where
+    # idle alone would grow it to 1 / 0.7
+    c, g = BudgetController(), Gate(cost=0.002, capacity=10_000)
+    start(c, g)
+    assert c.update(g.window(idle=0.3, retained=1.0)) == pytest.approx(1.15)
+    assert c.last.why == "grow"
+    assert c.update(g.window(idle=0.3, retained=1.0)) == pytest.approx(1.15)
+    assert c.last.why == "hold"
+    # below the pool nothing is over-committed: it grows on idle alone, up to the bound
+    c, g = BudgetController(0.5), Gate(cost=0.002, capacity=10_000)
+    start(c, g)
+    assert c.update(g.window(idle=0.3, retained=1.0)) == pytest.approx(0.5 / 0.7)
+    # a cheap prefill (10 us a token) bounds it nowhere near: idle decides
+    c, g = BudgetController(), Gate(cost=1e-5, capacity=10_000)
+    start(c, g)
+    assert c.update(g.window(idle=0.3, retained=1.0)) == pytest.approx(1 / 0.7)
+    # without the pool's size (or the token cost) there is no bound
+    c, g = BudgetController(), Gate(cost=0.002)
+    start(c, g)
+    assert c.update(g.window(idle=0.3, retained=1.0)) == pytest.approx(1 / 0.7)

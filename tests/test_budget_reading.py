@@ -28,14 +28,15 @@ def scrape(queries: float | None, hits: float | None, healthy: bool = True,
 
 def test_engine_counters_sum_the_healthy_engines():
     both = engine_counters([scrape(100, 40, prefill_s=2.0), scrape(50, 10, prefill_s=1.5)])
-    assert both == {"queries": 150, "hits": 50, "prefill_s": 3.5, "engines": 2}
+    assert both == {"queries": 150, "hits": 50, "prefill_s": 3.5, "engines": 2, "capacity": 20_000}
     # one engine does not export its cache counters, or its prefill time: that sum is unknown
     assert engine_counters([scrape(100, 40), scrape(None, None)])["queries"] is None
     assert engine_counters([scrape(100, 40, prefill_s=2.0), scrape(50, 10)])["prefill_s"] is None
     failed = ScrapeResult(Endpoint("http://10.0.0.2:8000"), error="timed out")
     assert engine_counters([scrape(100, 40), failed]) is None  # not comparable this tick
     sick = ScrapeResult(Endpoint("http://10.0.0.2:8000", healthy=False), error="router reports ...")
-    assert engine_counters([scrape(100, 40), sick]) == {"queries": 100, "hits": 40, "prefill_s": None, "engines": 1}
+    assert engine_counters([scrape(100, 40), sick]) == {"queries": 100, "hits": 40, "prefill_s": None, "engines": 1,
+                                                        "capacity": 10_000}
 
 
 @pytest.fixture

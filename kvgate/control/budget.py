@@ -10,7 +10,8 @@ in engine time:
 * **idle**: the share of the window's time the engines had no turn of the gate in flight
   while turns waited in the FIFO (the scripts integrate it exactly). It is work lost for
   certain: while it exceeds the waste below, the scale grows to carry the work that time
-  could have done, ``scale / (1 - idle)`` (at most doubling per window).
+  could have done, ``scale / (1 - idle)`` (at most doubling per window); past the pool, no
+  further than the re-prefill of the over-commit costs what the idle time could have done.
 * **waste**: the share of the engines' time spent re-prefilling histories they had already
   computed: the re-prefilled tokens (their prefix-cache counters against the fresh tokens the
   gate admitted) times the cost of a prefilled token, the least their prefill time per
@@ -71,6 +72,7 @@ class Reading:
     engine_hits: float | None = None     # of those, found in their prefix caches
     engine_prefill_s: float | None = None  # seconds the engines spent prefilling (sum over engines)
     engines: int = 1                     # how many engines (ranks) those sums are over
+    capacity_tokens: float | None = None  # the engines' KV capacity in tokens (sum over engines)
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,9 @@ class BudgetController:
         if idle is not None and idle >= IDLE_FLOOR and idle > known_waste:
             # the engines lost more time idling with turns waiting than re-prefilling: used,
             # that idle time would carry 1 / (1 - idle) times the work (at most double it)
-            if before < self.limit:
-                return window(min(self.limit, before / max(0.5, 1.0 - idle)), "grow")
+            bound = min(self.limit, self._overcommit_bound(idle * span / 1000.0, r))
+            if before < bound:
+                return window(min(bound, before / max(0.5, 1.0 - idle)), "grow")
             return window(before, "hold")
         if waste is not None:
             thrash = waste >= THRASH and waste > (idle or 0.0)
@@ -149,6 +152,15 @@ class BudgetController:
             floor = MIN_SCALE if waste is not None else 1.0
             return window(max(floor, before * BACKOFF), "backoff")
         return window(before, "hold")
+
+    def _overcommit_bound(self, idle_s: float, r: Reading) -> float:
+        """The most the scale may over-commit the pool: tokens past the pool are the history the
+        engines' LRU evicts, re-prefilled once a turnover at least (more where it evicts what
+        comes back next), so the over-commit may cost no more re-prefill than the window's idle
+        time could have done. Unbounded while the token cost or the pool is unknown."""
+        if self.token_cost is None or not r.capacity_tokens:
+            return math.inf
+        return 1.0 + idle_s * max(1, r.engines) / (self.token_cost * r.capacity_tokens)
 
     def _waste(self, s: Reading, r: Reading, span_ms: float) -> float | None:
         """The share of the engines' time spent re-prefilling (None without prefill time)."""

@@ -29,9 +29,10 @@ __all__ = ["BudgetReader", "engine_counters"]
 def engine_counters(scrapes: Sequence[ScrapeResult]) -> dict | None:
     """The engines' counters the controller reads, summed over this tick's scrapes: prefix-
     cache lookups and hits (None when an engine does not export them), prefill seconds (None
-    when an engine does not export them) and the number of engines (ranks). None when a
+    when an engine does not export them), the number of engines (ranks) and their KV capacity
+    in tokens (what the snapshot's ledger capacity sums). None when a
     healthy engine's scrape failed: its last numbers are older than the others'."""
-    queries = hits = prefill = 0.0
+    queries = hits = prefill = capacity = 0.0
     engines = 0
     has_cache = has_prefill = True
     for s in scrapes:
@@ -41,6 +42,7 @@ def engine_counters(scrapes: Sequence[ScrapeResult]) -> dict | None:
             continue
         for r in s.metrics.ranks:
             engines += 1
+            capacity += r.capacity_tokens
             if r.prefix_cache_queries is None or r.prefix_cache_hits is None:
                 has_cache = False
             else:
@@ -51,7 +53,7 @@ def engine_counters(scrapes: Sequence[ScrapeResult]) -> dict | None:
             else:
                 prefill += r.prefill_seconds
     return {"queries": queries if has_cache else None, "hits": hits if has_cache else None,
-            "prefill_s": prefill if has_prefill else None, "engines": engines}
+            "prefill_s": prefill if has_prefill else None, "engines": engines, "capacity": capacity}
 
 
 def _pct(v: float | None) -> str:
@@ -118,7 +120,8 @@ class BudgetReader:
                           released=int(num(raw["released"])), tok_fresh=int(num(raw["fresh"])),
                           tok_reusable=int(num(raw["reusable"])), held=int(raw["held"]),
                           engine_queries=eng["queries"], engine_hits=eng["hits"],
-                          engine_prefill_s=eng["prefill_s"], engines=eng["engines"])
+                          engine_prefill_s=eng["prefill_s"], engines=eng["engines"],
+                          capacity_tokens=eng["capacity"])
         before = self.controller.last
         scale = self.controller.update(reading)
         w = self.controller.last
