@@ -27,7 +27,7 @@ import redis
 import kvgate
 from kvgate.client.flows import BREAKER_S
 
-from _gatehelpers import HANG_S, bounded
+from _gatehelpers import HANG_S, bounded, ledger_consistent
 from _httphelpers import wait_until as _wait_until
 from conftest import start_redis
 
@@ -52,16 +52,6 @@ def _engines(usage: float = 0.1):
 
 def wait_until(pred, timeout: float = HANG_S, what: str = "condition"):
     return _wait_until(pred, timeout=timeout, interval=0.02, what=what)
-
-
-def _ledger_consistent(r: redis.Redis, g) -> int:
-    """reserved == own charges of live leases + window charges; returns reserved."""
-    reserved = int(r.hget(g.key("ledger"), "reserved") or 0)
-    own = sum(json.loads(v)["t"] for v in r.hvals(g.key("leases")))
-    win = sum(json.loads(v)["t"] for v in r.hvals(g.key("windows")))
-    assert reserved == own + win, (reserved, own, win)
-    assert int(r.hget(g.key("totals"), "ledger_clamped") or 0) == 0
-    return reserved
 
 
 def _total(r: redis.Redis, g, field: str) -> int:
@@ -125,7 +115,7 @@ def test_script_flush_between_calls_reloads_and_decides(fresh_redis, driver):
         r.script_flush()
         c = driver.call(g.acquire, "c", prompt_tokens=WAIT, max_new_tokens=0)
         assert (c.outcome, c.reason) == ("admit", "open")
-        assert _ledger_consistent(r, g) == WAIT
+        assert ledger_consistent(r, g) == WAIT
         r.script_flush()
         assert "error" not in driver.call(g.finish_session, "c")
         assert driver.call(c.release) is True
@@ -133,14 +123,14 @@ def test_script_flush_between_calls_reloads_and_decides(fresh_redis, driver):
         assert driver.call(g.housekeep, 10)["leases"] == 0
         r.script_flush()
         assert driver.call(g.step_metrics)["agentic_kv/budget/degraded"] == 0.0
-        assert _ledger_consistent(r, g) == 0
+        assert ledger_consistent(r, g) == 0
         r.script_flush()
 
         def in_turn(d):
             assert (d.outcome, d.reason) == ("admit", "open")
-            assert _ledger_consistent(r, g) == WAIT
+            assert ledger_consistent(r, g) == WAIT
         driver.turn(g, "d", in_turn, prompt_tokens=WAIT, max_new_tokens=0)
-        assert _ledger_consistent(r, g) == 0
+        assert ledger_consistent(r, g) == 0
         assert _total(r, g, "bypass_degraded") == 0
     finally:
         driver.close(g)
@@ -159,7 +149,7 @@ def test_redis_restart_same_port_recovers_from_new_snapshots(fresh_redis, driver
 
     def check_after(r, g, new_ticket_need):
         # the new Redis knows only what happened since the restart
-        assert _ledger_consistent(r, g) == new_ticket_need
+        assert ledger_consistent(r, g) == new_ticket_need
         assert _total(r, g, "ledger_clamped") == 0
 
     g = driver.from_url(fresh_redis.url, gate="restart", config=_cfg())
@@ -277,9 +267,9 @@ def test_dead_waiter_never_blocks_the_head(fresh_redis, free_before_liveness):
         assert not r.hexists(g.key("leases"), dead)
         if free_before_liveness:
             assert _total(r, g, "lease_expired") == 1   # the dead child's grant, never claimed
-        assert _ledger_consistent(r, g) == WAIT
+        assert ledger_consistent(r, g) == WAIT
         lease.release()
-        assert _ledger_consistent(r, g) == 0
+        assert ledger_consistent(r, g) == 0
     finally:
         if child is not None:
             _kill(child)
@@ -308,9 +298,9 @@ def test_dead_holder_lease_reclaimed_by_ttl(fresh_redis):
         assert (lease.outcome, lease.reason) == ("admit", "open")
         assert not r.hexists(g.key("leases"), ticket)
         assert _total(r, g, "lease_expired") == 1
-        assert _ledger_consistent(r, g) == WAIT
+        assert ledger_consistent(r, g) == WAIT
         lease.release()
-        assert _ledger_consistent(r, g) == 0
+        assert ledger_consistent(r, g) == 0
     finally:
         _kill(child)
         g.close()
@@ -342,9 +332,9 @@ def test_async_cancel_removes_waiter_atomically(fresh_redis, how):
                     await asyncio.wait_for(g.acquire("w", prompt_tokens=WAIT, max_new_tokens=0), 0.5)
             assert r.zcard(g.key("fifo")) == 0 and r.hlen(g.key("waiters")) == 0
             assert _total(r, g, "cancelled") == 1
-            assert _ledger_consistent(r, g) == HOLD
+            assert ledger_consistent(r, g) == HOLD
             await holder.release()
-            assert _ledger_consistent(r, g) == 0
+            assert ledger_consistent(r, g) == 0
         finally:
             await g.aclose()
 
@@ -427,7 +417,7 @@ def test_async_cancel_racing_grant_never_leaks(fresh_redis):
                 # nothing leaked: no lease, no waiter, a ledger of 0
                 assert r.hlen(g.key("leases")) == 0, r.hgetall(g.key("leases"))
                 assert r.zcard(g.key("fifo")) == 0 and r.hlen(g.key("waiters")) == 0
-                assert _ledger_consistent(r, g) == 0
+                assert ledger_consistent(r, g) == 0
         finally:
             other.close()
             await g.aclose()
@@ -507,7 +497,7 @@ def test_sync_abort_racing_grant_never_leaks(fresh_redis):
                 assert seen["grant_given_back"] == given_back + 1, "the grant was not given back"
             assert r.hlen(g.key("leases")) == 0, r.hgetall(g.key("leases"))
             assert r.zcard(g.key("fifo")) == 0 and r.hlen(g.key("waiters")) == 0
-            assert _ledger_consistent(r, g) == 0
+            assert ledger_consistent(r, g) == 0
     finally:
         ex.shutdown(wait=False)
         g.close()
