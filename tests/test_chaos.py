@@ -158,6 +158,7 @@ def test_redis_restart_same_port_recovers_from_new_snapshots(fresh_redis, driver
         old = driver.call(g.acquire, "old", prompt_tokens=HOLD, max_new_tokens=0)
         assert old.outcome == "admit"
         r = restart()
+        t_restart = time.monotonic()
         # no snapshot in the new Redis (or the breaker is open): degraded, not stuck
         _degraded(driver.call(g.acquire, "x", prompt_tokens=10, max_new_tokens=0))
         time.sleep(BREAKER_S + 0.1)
@@ -165,6 +166,8 @@ def test_redis_restart_same_port_recovers_from_new_snapshots(fresh_redis, driver
         wait_until(lambda: _try(driver.call, g.write_snapshot, _engines()), what="a snapshot write after restart")
         new = driver.call(g.acquire, "new", prompt_tokens=WAIT, max_new_tokens=0)
         assert (new.outcome, new.reason) == ("admit", "open")
+        print(f"\nrestart ({driver.kind}): first admission {time.monotonic() - t_restart:.2f} s after the "
+              f"restart (the test writes a snapshot once a breaker period has passed)")
         assert driver.call(old.release) is False     # unknown to the new Redis: nothing given back
         check_after(r, g, WAIT)
         assert driver.call(new.release) is True
@@ -194,11 +197,13 @@ def test_client_pause_degrades_within_redis_timeout(fresh_redis, driver):
         # "degraded" proves the call gave up on its command timeout (0.3 s): a call that had
         # waited for the 3 s pause to end would have been admitted
         _degraded(driver.call(g.acquire, "paused", prompt_tokens=10, max_new_tokens=0))
+        print(f"\nCLIENT PAUSE ({driver.kind}): a turn degraded {time.monotonic() - t0:.2f} s into the pause")
         # while the breaker is open, turns degrade at once
         _degraded(driver.call(g.acquire, "paused2", prompt_tokens=10, max_new_tokens=0))
         time.sleep(max(0.0, 3.2 - (time.monotonic() - t0)) + BREAKER_S)
         lease = driver.call(g.acquire, "resumed", prompt_tokens=10, max_new_tokens=0)
         assert (lease.outcome, lease.reason) == ("admit", "open")
+        print(f"CLIENT PAUSE ({driver.kind}): admitted again {time.monotonic() - t0 - 3.0:.2f} s after the pause ended")
         driver.call(lease.release)
     finally:
         driver.close(g)
@@ -252,6 +257,7 @@ def test_dead_waiter_never_blocks_the_head(fresh_redis, free_before_liveness):
         nxt = ex.submit(g.acquire, "next", prompt_tokens=WAIT, max_new_tokens=0)
         wait_until(lambda: r.zcard(g.key("fifo")) == 2, what="the second waiter to enqueue")
         _kill(child)
+        t_kill = time.monotonic()
         if free_before_liveness:
             assert holder.release() is True        # the head (the dead child) fits now: granted to it
             assert json.loads(r.hget(g.key("leases"), dead))["c"] == 1
@@ -264,6 +270,8 @@ def test_dead_waiter_never_blocks_the_head(fresh_redis, free_before_liveness):
             assert holder.release() is True
         lease = nxt.result(timeout=HANG_S + cfg.max_wait_s)
         assert (lease.outcome, lease.reason) == ("admit", "open"), lease
+        print(f"\nwaiter killed -9 ({'after' if free_before_liveness else 'before'} the room freed): the next "
+              f"waiter admitted {time.monotonic() - t_kill:.2f} s after the kill (wait_poll_s={cfg.wait_poll_s})")
         assert not r.hexists(g.key("leases"), dead)
         if free_before_liveness:
             assert _total(r, g, "lease_expired") == 1   # the dead child's grant, never claimed
@@ -293,9 +301,12 @@ def test_dead_holder_lease_reclaimed_by_ttl(fresh_redis):
         ticket = line.split()[2]
         assert r.hexists(g.key("leases"), ticket)
         _kill(child)
+        t_kill = time.monotonic()
         # a turn that does not fit waits until the TTL reclaims the dead holder's lease
         lease = bounded(g.acquire, "next", prompt_tokens=WAIT, max_new_tokens=0, timeout=HANG_S + 5)
         assert (lease.outcome, lease.reason) == ("admit", "open")
+        print(f"\nholder killed -9: the next turn admitted {time.monotonic() - t_kill:.2f} s after the kill "
+              f"(lease_ttl_s={cfg.lease_ttl_s})")
         assert not r.hexists(g.key("leases"), ticket)
         assert _total(r, g, "lease_expired") == 1
         assert ledger_consistent(r, g) == WAIT

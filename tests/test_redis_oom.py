@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 
 import pytest
 import redis
@@ -90,6 +91,7 @@ def test_turns_fail_open_while_redis_is_out_of_memory_and_resume_after(small_red
             r.delete(*r.keys("filler:*"))
         else:
             r.config_set("maxmemory", 0)
+        t_relief = time.monotonic()
 
         def admitted():
             lease = driver.call(g.acquire, "after", **SMALL)
@@ -98,6 +100,8 @@ def test_turns_fail_open_while_redis_is_out_of_memory_and_resume_after(small_red
             driver.call(lease.release)
             return None
         after = wait_until(admitted, timeout=HANG_S + BREAKER_S, what="gating to resume")
+        print(f"\nout of memory ({driver.kind}, {relief}): admitted again {time.monotonic() - t_relief:.2f} s "
+              f"after memory freed")
         # the holder's release and the waiter's cancel went before that call
         assert g.deferred_count == 0
         assert r.zcard(g.key("fifo")) == 0 and not r.hexists(g.key("leases"), holder.ticket)
