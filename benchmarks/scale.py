@@ -19,7 +19,7 @@ across processes, for ``--handoff-s``. Per level:
   ``CROWD_POLL_S``, see overhead.py for why not the default ``wait_poll_s``).
 
 ``--quick`` is a smoke run (4 processes, 10 and 100 waiters, short hand-offs);
-``tests/test_scale_bench.py`` runs it. docs/benchmarks.md#scale has the full run's figures.
+``tests/test_scale_bench.py`` runs it. docs/benchmarks.md#across-processes has the full run's figures.
 """
 from __future__ import annotations
 

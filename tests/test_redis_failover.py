@@ -489,7 +489,7 @@ def test_turns_survive_a_sentinel_failover(sentinel_group):
         turns.join()
         print(f"\nsentinel failover: {check_run(turns, killed_at)}")
         st, replayed = settle(gate, ops, turns)
-        print(f"{replayed} releases and cancels sent again to the new primary")
+        print(f"{replayed} releases, cancels and finishes sent again to the new primary")
         assert_exact_ledger(ops, st)
     finally:
         turns.stop.set()
@@ -557,7 +557,7 @@ def test_managed_failover_that_loses_writes(tmp_path, repoint):
             print(f"\nmanaged failover ({repoint}): {lost} turns decided by the old primary after the "
                   f"promotion (their writes lost); {check_run(turns, killed_at)}")
             st, replayed = settle(gates[-1], ops[-1], turns)
-            print(f"{replayed} releases and cancels sent again to the new primary")
+            print(f"{replayed} releases, cancels and finishes sent again to the new primary")
             if repoint == "new_gate":
                 def drained() -> dict | None:
                     ops[-1].housekeep()  # the poller's reclaim of expired leases
