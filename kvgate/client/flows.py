@@ -171,7 +171,8 @@ def describe_fault(error: BaseException) -> str:
     if isinstance(error, redis_errors.OutOfMemoryError):
         return ("Redis refuses writes: it is out of memory (used_memory over maxmemory, and the policy "
                 "noeviction); free memory or raise maxmemory, and gating resumes by itself")
-    return f"Redis did not answer ({type(error).__name__}: {error})"
+    said = str(error)
+    return f"Redis did not answer ({type(error).__name__}{': ' + said if said else ''})"
 
 
 class WarnEvery:
