@@ -13,8 +13,8 @@
   labels and values: an ``EngineMetrics`` or ``MetricsParseError``, nothing else.
 - The router's answers (``parse_workers``, ``Discovery.discover``), the engines' ``/metrics``
   answers (``scrape_engines``) and the probes' answers (``parse_probe_payload``,
-  ``HttpProbe._decode``) of any status and body: their documented errors at most, never
-  another exception out of the poller.
+  ``HttpProbe._decode``) of any status and body: their documented errors at most; and a whole
+  poller tick over such answers returns its result, never an exception.
 
 Example counts are modest (the fast suite runs these); ``deadline=None``: a slow machine is
 not a failure.
@@ -306,3 +306,34 @@ def test_http_probe_decodes_or_raises_value_error(raw):
         HttpProbe._decode("http://e:1", raw, 10)
     except ValueError:
         pass
+
+
+ENGINE_URLS = st.sampled_from(["http://e1:8000", "http://e2:8000", "http://e1:8000@1", "e3:9000", "", "http://"])
+ROUTER_WORKERS = st.fixed_dictionaries({"workers": st.lists(st.fixed_dictionaries(
+    {"url": ENGINE_URLS}, optional={"is_healthy": ANY, "draining": ANY}), max_size=3)})
+
+
+@SOME
+@given(workers=st.one_of(ROUTER_WORKERS, ROUTER_ANSWER), workers_status=STATUS,
+       metrics=st.lists(st.one_of(metrics_text(), st.text(max_size=80)), min_size=1, max_size=3),
+       metrics_status=STATUS)
+def test_a_poller_tick_survives_any_router_and_engine_answer(workers, workers_status, metrics, metrics_status):
+    # the whole tick, discovery to snapshot, over answers of any shape: a TickResult, never an
+    # exception out of the poller
+    import fakeredis
+
+    from kvgate.control.poller import Poller, TickResult
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/workers", "/list_workers"):
+            return httpx.Response(workers_status, content=json.dumps(workers, default=repr).encode())
+        body = metrics[sum(request.url.host.encode()) % len(metrics)]  # the same engine, the same body
+        return httpx.Response(metrics_status, content=body.encode("utf-8", "replace"))
+
+    gate = kvgate.Gate(fakeredis.FakeRedis(), gate="fuzzpoll", config=kvgate.GateConfig())
+    poller = Poller(gate, router="http://router:30000", interval_s=1.0, http_timeout_s=1.0)
+
+    async def tick() -> TickResult:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as c:
+            return await poller.atick(c)
+    assert isinstance(asyncio.run(tick()), TickResult)
