@@ -38,6 +38,10 @@ waiters spread along the FIFO: the queue's own load is that times waiters / ``wa
 
 ``--quick`` is a smoke run (fewer operations and rounds, 10 and 100 waiters); ``--json``
 prints the figures as JSON instead of tables.
+
+This script is over 400 lines on purpose: its four measurements share one Redis, one way of
+reading the server's counters and one report, and benchmarks/scale.py imports its waiters'
+crowd (``run_crowd``) rather than keeping a second copy.
 """
 from __future__ import annotations
 
@@ -327,27 +331,33 @@ def script_breakdown(url: str, turns: int) -> dict:
 
 # -- waiters queued --------------------------------------------------------------------------
 class CountingGate(kvgate.AsyncGate):
-    """An AsyncGate that counts its script calls by script (the crowd's own tally)."""
+    """An AsyncGate that counts its script calls by script (the crowd's own tally), and the
+    tickets that were told to wait (its members in the FIFO, while they queue)."""
 
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
         self.calls: Counter = Counter()
+        self.waited: set[str] = set()
 
     async def _eval(self, op: Any) -> dict:
         self.calls[op.script] += 1
-        return await super()._eval(op)
+        out = await super()._eval(op)
+        if op.script == "acquire" and isinstance(out, dict) and out.get("o") == "wait":
+            self.waited.add(op.params["ticket"])
+        return out
 
 
-async def crowd(url: str, gate_name: str, waiters: int, handoff_s: float, report: Any) -> None:
-    """The child process: one lease fills the gate; ``waiters`` sessions queue behind it; once
-    the parent has reset the server's counters, the lease is released and every admitted
-    waiter releases at once and queues again, for ``handoff_s``."""
+async def crowd(url: str, gate_name: str, members: range, handoff_s: float, report: Any, hold: bool = True) -> None:
+    """A crowd process: with ``hold``, one lease fills the gate; the sessions of ``members``
+    queue behind it; once the parent has reset the server's counters ("go"), the lease is
+    released and every admitted waiter releases at once and queues again, for ``handoff_s``.
+    Several crowd processes may share one gate (benchmarks/scale.py): one holds."""
     r = async_client(url, 64)
     gate = CountingGate(r, gate=gate_name, config=config(wait_poll_s=CROWD_POLL_S, max_wait_s=600.0,
                                                          max_wait_hard_s=1200.0))
     turn = dict(prompt_tokens=PROMPT, max_new_tokens=NEW_TOKENS, retain_session=False)
-    holder = await gate.acquire("holder", **turn)
-    if not holder.admitted:
+    holder = await gate.acquire("holder", **turn) if hold else None
+    if holder is not None and not holder.admitted:
         raise RuntimeError(f"the lease that fills the gate was not admitted: {holder!r}")
     events: list[tuple[str, float]] = []  # ("r", release began) / ("a", admitted), in order
     running = [True]
@@ -368,12 +378,11 @@ async def crowd(url: str, gate_name: str, waiters: int, handoff_s: float, report
 
     # queue in batches, each waited for: 10,000 first calls at once would wait on the pool
     # past the gate's call deadline, and a turn whose call timed out is degraded, not queued
-    fifo = gate.key("fifo")
     deadline = time.monotonic() + CROWD_START_S
     tasks = []
-    for start in range(0, waiters, CROWD_BATCH):
-        tasks += [asyncio.ensure_future(member(k)) for k in range(start, min(waiters, start + CROWD_BATCH))]
-        while await r.zcard(fifo) < len(tasks):
+    for start in range(members.start, members.stop, CROWD_BATCH):
+        tasks += [asyncio.ensure_future(member(k)) for k in range(start, min(members.stop, start + CROWD_BATCH))]
+        while len(gate.waited) < len(tasks):
             if missed or time.monotonic() > deadline:
                 raise RuntimeError(f"{len(tasks)} waiters did not queue within {CROWD_START_S}s: {dict(missed)}")
             await asyncio.sleep(0.05)
@@ -383,29 +392,35 @@ async def crowd(url: str, gate_name: str, waiters: int, handoff_s: float, report
     report.recv()
     gate.calls.clear()
     t0 = time.monotonic()
-    events.append(("r", t0))
-    await holder.release()
+    if holder is not None:
+        events.append(("r", t0))
+        await holder.release()
     await asyncio.sleep(handoff_s)
     running[0] = False
-    elapsed = time.monotonic() - t0
+    report.send({"handoffs": admitted[0], "elapsed_s": time.monotonic() - t0, "events": list(events),
+                 "calls": dict(gate.calls), "missed": dict(missed)})
+    for t in tasks:  # the parent stops this process by pid; nothing here needs to end cleanly
+        t.cancel()
+
+
+def crowd_main(url: str, gate_name: str, members: range, handoff_s: float, report: Any, hold: bool = True) -> None:
+    try:
+        asyncio.run(crowd(url, gate_name, members, handoff_s, report, hold))
+    except Exception as e:  # noqa: BLE001 - the parent raises it, instead of waiting out its bound
+        report.send({"error": f"{type(e).__name__}: {e}"})
+
+
+def wake_latencies(events: list[tuple[str, float]]) -> list[float]:
+    """From a release to the next admission, over the events of every crowd process in time
+    order (time.monotonic is one clock for every process of the machine)."""
     wake, last_release = [], None
-    for kind, t in list(events):
+    for kind, t in sorted(events, key=lambda e: e[1]):
         if kind == "r":
             last_release = t
         elif last_release is not None:
             wake.append(t - last_release)
             last_release = None
-    report.send({"handoffs": admitted[0], "elapsed_s": elapsed, "wake_s": wake, "calls": dict(gate.calls),
-                 "missed": dict(missed)})
-    for t in tasks:  # the parent stops this process by pid; nothing here needs to end cleanly
-        t.cancel()
-
-
-def crowd_main(url: str, gate_name: str, waiters: int, handoff_s: float, report: Any) -> None:
-    try:
-        asyncio.run(crowd(url, gate_name, waiters, handoff_s, report))
-    except Exception as e:  # noqa: BLE001 - the parent raises it, instead of waiting out its bound
-        report.send({"error": f"{type(e).__name__}: {e}"})
+    return wake
 
 
 def recheck_cost(r: redis.Redis, gate: kvgate.Gate) -> float:
@@ -424,58 +439,82 @@ def recheck_cost(r: redis.Redis, gate: kvgate.Gate) -> float:
     return command_stats(r)["evalsha"]["usec"] / len(sample)
 
 
-def run_waiters(url: str, levels: tuple[int, ...], handoff_s: float) -> dict:
-    r = redis.Redis.from_url(url, **client_kw())
-    out = {}
+def run_crowd(r: redis.Redis, url: str, name: str, w: int, handoff_s: float, procs: int = 1) -> dict:
+    """One waiters level: ``w`` waiters in ``procs`` crowd processes (the first holds the
+    lease that fills the gate) queue on gate ``name``, then hand its one place from head to
+    head for ``handoff_s``; the figures per hand-off."""
     ctx = multiprocessing.get_context("spawn")
-    for w in levels:
-        name = f"overhead-w{w}"
-        gate = kvgate.Gate(r, gate=name, config=config())
-        # a ceiling (capacity x headroom 0.9) that holds one turn and not two
-        gate.write_snapshot(engine(int((PROMPT + NEW_TOKENS) * 1.5 / 0.9)))
-        shas = {gate._scripts[s].sha: s for s in SCRIPT_NAMES}
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=crowd_main, args=(url, name, w, handoff_s, child), daemon=True)
-        proc.start()
-        try:
-            msg = parent.recv() if parent.poll(CROWD_START_S + 10) else {"error": "no word within its bound"}
-            if msg != "queued":
-                raise RuntimeError(f"the crowd of {w} did not queue: {msg}")
-            recheck_us = recheck_cost(r, gate)
-            r.config_set("slowlog-log-slower-than", 0)
-            r.config_set("slowlog-max-len", 1_000_000)
-            r.slowlog_reset()
-            r.config_resetstat()
+    gate = kvgate.Gate(r, gate=name, config=config())
+    # a ceiling (capacity x headroom 0.9) that holds one turn and not two
+    gate.write_snapshot(engine(int((PROMPT + NEW_TOKENS) * 1.5 / 0.9)))
+    shas = {gate._scripts[s].sha: s for s in SCRIPT_NAMES}
+    shards = [range(w * i // procs, w * (i + 1) // procs) for i in range(procs)]
+    pipes, running = [], []
+
+    def queued(parent: Any) -> None:
+        msg = parent.recv() if parent.poll(CROWD_START_S + 10) else {"error": "no word within its bound"}
+        if msg != "queued":
+            raise RuntimeError(f"the crowd of {w} did not queue: {msg}")
+    try:
+        for i, members in enumerate(shards):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=crowd_main, args=(url, name, members, handoff_s, child, i == 0), daemon=True)
+            proc.start()
+            pipes.append(parent)
+            running.append(proc)
+            # one process at a time: the holder's lease first (the others' members must all
+            # wait), then each queues while the others only wait (64 processes starting at
+            # once on two cores pushed their first calls past the gate's deadline: degraded)
+            queued(parent)
+        recheck_us = recheck_cost(r, gate)
+        r.config_set("slowlog-log-slower-than", 0)
+        r.config_set("slowlog-max-len", 1_000_000)
+        r.slowlog_reset()
+        r.config_resetstat()
+        for parent in pipes:
             parent.send("go")
+        results = []
+        for parent in pipes:
             if not parent.poll(CROWD_RESULT_S + handoff_s):
                 raise RuntimeError(f"the crowd of {w} sent no result")
-            res = parent.recv()
-            if "error" in res:
-                raise RuntimeError(f"the crowd of {w} failed: {res['error']}")
-            stats = command_stats(r)
-            slow = r.slowlog_get(1_000_000)
-            queued = r.zcard(gate.key("fifo"))  # the crowd stopped queueing again: about w - 1
-            r.config_set("slowlog-log-slower-than", 10_000)
-        finally:
+            results.append(parent.recv())
+            if "error" in results[-1]:
+                raise RuntimeError(f"the crowd of {w} failed: {results[-1]['error']}")
+        stats = command_stats(r)
+        slow = r.slowlog_get(1_000_000)
+        queued = r.zcard(gate.key("fifo"))  # the crowd stopped queueing again: about w - 1
+        r.config_set("slowlog-log-slower-than", 10_000)
+    finally:
+        for proc in running:
             proc.kill()
             proc.join(timeout=10)
-        by_script: dict[str, list[int]] = {}
-        for e in slow:
-            cmd = e["command"].split() if isinstance(e["command"], (bytes, str)) else e["command"]
-            cmd = [c.decode() if isinstance(c, bytes) else c for c in cmd]
-            if cmd and cmd[0].lower() == "evalsha" and len(cmd) > 1 and cmd[1] in shas:
-                by_script.setdefault(shas[cmd[1]], []).append(int(e["duration"]))
-        n = max(1, res["handoffs"])
-        wake = res["wake_s"]
-        out[str(w)] = {
-            "handoffs": res["handoffs"], "handoffs_per_s": res["handoffs"] / res["elapsed_s"],
-            "wake_p50_ms": quantile(wake, 0.5) * 1000, "wake_p99_ms": quantile(wake, 0.99) * 1000,
-            "queued_after": queued, "missed": res["missed"], "recheck_us": recheck_us,
-            **per_op(stats, CLIENT_COMMANDS["kvgate"], n),
-            "calls_by_script": {k: v / n for k, v in sorted(res["calls"].items())},
-            "script_us_per_call": {k: statistics.median(v) for k, v in sorted(by_script.items())},
-        }
-        r.delete(*gate._keys)
+    res = {"handoffs": sum(x["handoffs"] for x in results), "elapsed_s": results[0]["elapsed_s"],
+           "wake_s": wake_latencies([e for x in results for e in x["events"]]),
+           "calls": sum((Counter(x["calls"]) for x in results), Counter()),
+           "missed": sum((Counter(x["missed"]) for x in results), Counter())}
+    by_script: dict[str, list[int]] = {}
+    for e in slow:
+        cmd = e["command"].split() if isinstance(e["command"], (bytes, str)) else e["command"]
+        cmd = [c.decode() if isinstance(c, bytes) else c for c in cmd]
+        if cmd and cmd[0].lower() == "evalsha" and len(cmd) > 1 and cmd[1] in shas:
+            by_script.setdefault(shas[cmd[1]], []).append(int(e["duration"]))
+    n = max(1, res["handoffs"])
+    wake = res["wake_s"]
+    out = {
+        "handoffs": res["handoffs"], "handoffs_per_s": res["handoffs"] / res["elapsed_s"],
+        "wake_p50_ms": quantile(wake, 0.5) * 1000, "wake_p99_ms": quantile(wake, 0.99) * 1000,
+        "queued_after": queued, "missed": dict(res["missed"]), "recheck_us": recheck_us,
+        **per_op(stats, CLIENT_COMMANDS["kvgate"], n),
+        "calls_by_script": {k: v / n for k, v in sorted(res["calls"].items())},
+        "script_us_per_call": {k: statistics.median(v) for k, v in sorted(by_script.items())},
+    }
+    r.delete(*gate._keys)
+    return out
+
+
+def run_waiters(url: str, levels: tuple[int, ...], handoff_s: float) -> dict:
+    r = redis.Redis.from_url(url, **client_kw())
+    out = {str(w): run_crowd(r, url, f"overhead-w{w}", w, handoff_s) for w in levels}
     r.close()
     return out
 

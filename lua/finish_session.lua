@@ -8,10 +8,13 @@
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
   ARGV[2] JSON object of named parameters:
     session (str, required): the session that is done
+    again (0|1, optional): 1 when the client sends a finish again because another Redis
+      process answers (a failover may have lost it); counted in session_finished only when
+      it still ended a window, stopped an attempt or forgot a preemption count
     knobs: admission, residency, high_watermark, pressure_threshold, headroom,
       budget_scale, staleness_ms, lease_ttl_ms, claim_ms, reap_batch, channel
   Returns: JSON {window=0|1, freed=<tokens returned>, stopped=<ticket or "">,
-    num_preempted=<its preempted attempts>}
+    num_preempted=<its preempted attempts>, srv=the Redis process's run_id (common.lua server_id)}
   Publishes: "p <ticket>" for the stopped attempt, "g <ticket>" for FIFO grants.
   Errors: a required parameter that is missing (includes/common.lua).
 ]]
@@ -42,7 +45,10 @@ if t then
   end
   redis.call("HDEL", K.session_waiter, s)
 end
-redis.call("HDEL", K.preempted, s)
-stat("session_finished")
+local forgot = redis.call("HDEL", K.preempted, s)
+if OPT.again ~= 1 or res.window == 1 or res.stopped ~= "" or forgot == 1 then
+  stat("session_finished")
+end
 advance(P.reap_batch, nil)
+res.srv = server_id()
 return cjson.encode(res)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import json
 import threading
 from typing import Any, Callable
 
@@ -91,6 +92,17 @@ def mkgate(backend, clock=None, probe=None, gate: str = "g1", **cfg) -> kvgate.G
 def ledger(gate) -> int:
     """The tokens the ledger holds (a sync gate's client)."""
     return int(gate.redis.hget(gate.key("ledger"), "reserved") or 0)
+
+
+def ledger_consistent(r: redis.Redis, g) -> int:
+    """reserved == own charges of live leases + window charges, and never clamped (it never
+    went negative); returns reserved."""
+    reserved = int(r.hget(g.key("ledger"), "reserved") or 0)
+    own = sum(json.loads(v)["t"] for v in r.hvals(g.key("leases")))
+    win = sum(json.loads(v)["t"] for v in r.hvals(g.key("windows")))
+    assert reserved == own + win, (reserved, own, win)
+    assert int(r.hget(g.key("totals"), "ledger_clamped") or 0) == 0
+    return reserved
 
 
 def stat(gate, field: str) -> int:

@@ -27,7 +27,7 @@ import redis
 import kvgate
 from kvgate.client.flows import BREAKER_S
 
-from _gatehelpers import HANG_S, bounded
+from _gatehelpers import HANG_S, bounded, ledger_consistent
 from _httphelpers import wait_until as _wait_until
 from conftest import start_redis
 
@@ -52,16 +52,6 @@ def _engines(usage: float = 0.1):
 
 def wait_until(pred, timeout: float = HANG_S, what: str = "condition"):
     return _wait_until(pred, timeout=timeout, interval=0.02, what=what)
-
-
-def _ledger_consistent(r: redis.Redis, g) -> int:
-    """reserved == own charges of live leases + window charges; returns reserved."""
-    reserved = int(r.hget(g.key("ledger"), "reserved") or 0)
-    own = sum(json.loads(v)["t"] for v in r.hvals(g.key("leases")))
-    win = sum(json.loads(v)["t"] for v in r.hvals(g.key("windows")))
-    assert reserved == own + win, (reserved, own, win)
-    assert int(r.hget(g.key("totals"), "ledger_clamped") or 0) == 0
-    return reserved
 
 
 def _total(r: redis.Redis, g, field: str) -> int:
@@ -125,7 +115,7 @@ def test_script_flush_between_calls_reloads_and_decides(fresh_redis, driver):
         r.script_flush()
         c = driver.call(g.acquire, "c", prompt_tokens=WAIT, max_new_tokens=0)
         assert (c.outcome, c.reason) == ("admit", "open")
-        assert _ledger_consistent(r, g) == WAIT
+        assert ledger_consistent(r, g) == WAIT
         r.script_flush()
         assert "error" not in driver.call(g.finish_session, "c")
         assert driver.call(c.release) is True
@@ -133,14 +123,14 @@ def test_script_flush_between_calls_reloads_and_decides(fresh_redis, driver):
         assert driver.call(g.housekeep, 10)["leases"] == 0
         r.script_flush()
         assert driver.call(g.step_metrics)["agentic_kv/budget/degraded"] == 0.0
-        assert _ledger_consistent(r, g) == 0
+        assert ledger_consistent(r, g) == 0
         r.script_flush()
 
         def in_turn(d):
             assert (d.outcome, d.reason) == ("admit", "open")
-            assert _ledger_consistent(r, g) == WAIT
+            assert ledger_consistent(r, g) == WAIT
         driver.turn(g, "d", in_turn, prompt_tokens=WAIT, max_new_tokens=0)
-        assert _ledger_consistent(r, g) == 0
+        assert ledger_consistent(r, g) == 0
         assert _total(r, g, "bypass_degraded") == 0
     finally:
         driver.close(g)
@@ -159,7 +149,7 @@ def test_redis_restart_same_port_recovers_from_new_snapshots(fresh_redis, driver
 
     def check_after(r, g, new_ticket_need):
         # the new Redis knows only what happened since the restart
-        assert _ledger_consistent(r, g) == new_ticket_need
+        assert ledger_consistent(r, g) == new_ticket_need
         assert _total(r, g, "ledger_clamped") == 0
 
     g = driver.from_url(fresh_redis.url, gate="restart", config=_cfg())
@@ -168,6 +158,7 @@ def test_redis_restart_same_port_recovers_from_new_snapshots(fresh_redis, driver
         old = driver.call(g.acquire, "old", prompt_tokens=HOLD, max_new_tokens=0)
         assert old.outcome == "admit"
         r = restart()
+        t_restart = time.monotonic()
         # no snapshot in the new Redis (or the breaker is open): degraded, not stuck
         _degraded(driver.call(g.acquire, "x", prompt_tokens=10, max_new_tokens=0))
         time.sleep(BREAKER_S + 0.1)
@@ -175,6 +166,8 @@ def test_redis_restart_same_port_recovers_from_new_snapshots(fresh_redis, driver
         wait_until(lambda: _try(driver.call, g.write_snapshot, _engines()), what="a snapshot write after restart")
         new = driver.call(g.acquire, "new", prompt_tokens=WAIT, max_new_tokens=0)
         assert (new.outcome, new.reason) == ("admit", "open")
+        print(f"\nrestart ({driver.kind}): first admission {time.monotonic() - t_restart:.2f} s after the "
+              f"restart (the test writes a snapshot once a breaker period has passed)")
         assert driver.call(old.release) is False     # unknown to the new Redis: nothing given back
         check_after(r, g, WAIT)
         assert driver.call(new.release) is True
@@ -204,11 +197,13 @@ def test_client_pause_degrades_within_redis_timeout(fresh_redis, driver):
         # "degraded" proves the call gave up on its command timeout (0.3 s): a call that had
         # waited for the 3 s pause to end would have been admitted
         _degraded(driver.call(g.acquire, "paused", prompt_tokens=10, max_new_tokens=0))
+        print(f"\nCLIENT PAUSE ({driver.kind}): a turn degraded {time.monotonic() - t0:.2f} s into the pause")
         # while the breaker is open, turns degrade at once
         _degraded(driver.call(g.acquire, "paused2", prompt_tokens=10, max_new_tokens=0))
         time.sleep(max(0.0, 3.2 - (time.monotonic() - t0)) + BREAKER_S)
         lease = driver.call(g.acquire, "resumed", prompt_tokens=10, max_new_tokens=0)
         assert (lease.outcome, lease.reason) == ("admit", "open")
+        print(f"CLIENT PAUSE ({driver.kind}): admitted again {time.monotonic() - t0 - 3.0:.2f} s after the pause ended")
         driver.call(lease.release)
     finally:
         driver.close(g)
@@ -262,6 +257,7 @@ def test_dead_waiter_never_blocks_the_head(fresh_redis, free_before_liveness):
         nxt = ex.submit(g.acquire, "next", prompt_tokens=WAIT, max_new_tokens=0)
         wait_until(lambda: r.zcard(g.key("fifo")) == 2, what="the second waiter to enqueue")
         _kill(child)
+        t_kill = time.monotonic()
         if free_before_liveness:
             assert holder.release() is True        # the head (the dead child) fits now: granted to it
             assert json.loads(r.hget(g.key("leases"), dead))["c"] == 1
@@ -274,12 +270,14 @@ def test_dead_waiter_never_blocks_the_head(fresh_redis, free_before_liveness):
             assert holder.release() is True
         lease = nxt.result(timeout=HANG_S + cfg.max_wait_s)
         assert (lease.outcome, lease.reason) == ("admit", "open"), lease
+        print(f"\nwaiter killed -9 ({'after' if free_before_liveness else 'before'} the room freed): the next "
+              f"waiter admitted {time.monotonic() - t_kill:.2f} s after the kill (wait_poll_s={cfg.wait_poll_s})")
         assert not r.hexists(g.key("leases"), dead)
         if free_before_liveness:
             assert _total(r, g, "lease_expired") == 1   # the dead child's grant, never claimed
-        assert _ledger_consistent(r, g) == WAIT
+        assert ledger_consistent(r, g) == WAIT
         lease.release()
-        assert _ledger_consistent(r, g) == 0
+        assert ledger_consistent(r, g) == 0
     finally:
         if child is not None:
             _kill(child)
@@ -303,14 +301,17 @@ def test_dead_holder_lease_reclaimed_by_ttl(fresh_redis):
         ticket = line.split()[2]
         assert r.hexists(g.key("leases"), ticket)
         _kill(child)
+        t_kill = time.monotonic()
         # a turn that does not fit waits until the TTL reclaims the dead holder's lease
         lease = bounded(g.acquire, "next", prompt_tokens=WAIT, max_new_tokens=0, timeout=HANG_S + 5)
         assert (lease.outcome, lease.reason) == ("admit", "open")
+        print(f"\nholder killed -9: the next turn admitted {time.monotonic() - t_kill:.2f} s after the kill "
+              f"(lease_ttl_s={cfg.lease_ttl_s})")
         assert not r.hexists(g.key("leases"), ticket)
         assert _total(r, g, "lease_expired") == 1
-        assert _ledger_consistent(r, g) == WAIT
+        assert ledger_consistent(r, g) == WAIT
         lease.release()
-        assert _ledger_consistent(r, g) == 0
+        assert ledger_consistent(r, g) == 0
     finally:
         _kill(child)
         g.close()
@@ -342,9 +343,9 @@ def test_async_cancel_removes_waiter_atomically(fresh_redis, how):
                     await asyncio.wait_for(g.acquire("w", prompt_tokens=WAIT, max_new_tokens=0), 0.5)
             assert r.zcard(g.key("fifo")) == 0 and r.hlen(g.key("waiters")) == 0
             assert _total(r, g, "cancelled") == 1
-            assert _ledger_consistent(r, g) == HOLD
+            assert ledger_consistent(r, g) == HOLD
             await holder.release()
-            assert _ledger_consistent(r, g) == 0
+            assert ledger_consistent(r, g) == 0
         finally:
             await g.aclose()
 
@@ -427,7 +428,7 @@ def test_async_cancel_racing_grant_never_leaks(fresh_redis):
                 # nothing leaked: no lease, no waiter, a ledger of 0
                 assert r.hlen(g.key("leases")) == 0, r.hgetall(g.key("leases"))
                 assert r.zcard(g.key("fifo")) == 0 and r.hlen(g.key("waiters")) == 0
-                assert _ledger_consistent(r, g) == 0
+                assert ledger_consistent(r, g) == 0
         finally:
             other.close()
             await g.aclose()
@@ -507,7 +508,7 @@ def test_sync_abort_racing_grant_never_leaks(fresh_redis):
                 assert seen["grant_given_back"] == given_back + 1, "the grant was not given back"
             assert r.hlen(g.key("leases")) == 0, r.hgetall(g.key("leases"))
             assert r.zcard(g.key("fifo")) == 0 and r.hlen(g.key("waiters")) == 0
-            assert _ledger_consistent(r, g) == 0
+            assert ledger_consistent(r, g) == 0
     finally:
         ex.shutdown(wait=False)
         g.close()

@@ -64,3 +64,28 @@ def test_room_an_acquire_reclaims_goes_to_the_fifo_head_at_once(backend, how, cl
     # C's reclaim freed A's 900 tokens: B is granted now, not at its own next poll
     assert g.redis.zcard(g.key("fifo")) == 0
     assert g.redis.hexists(g.key("leases"), "B")
+
+
+@pytest.mark.parametrize("dies", ["waiting", "holding"])
+def test_a_dead_sessions_preemption_count_goes_with_what_is_reclaimed(backend, clock, dies):
+    # a session's count is kept until finish_session; a process that died never sends it, so
+    # the reclaim of its last attempt (a waiter past liveness, a lease past its TTL) forgets
+    # the count, or the preempted hash would grow by one field per such session for ever
+    g = mkgate(backend, clock, headroom=1.0, residency=False, wait_poll_s=1.0, lease_ttl_s=10.0)
+    g.write_snapshot(engines(cap=100))
+    holder = g.acquire("a", prompt_tokens=100, max_new_tokens=0, retain_session=False)
+    attempts = []
+    for ticket in ("old", "new"):  # a retry of the turn preempts its waiting first attempt
+        attempts.append(script(g, "acquire", ticket=ticket, session="d", need=60, probe=-2)["o"])
+        clock.advance(0.1)
+    assert (attempts, g.num_preempted("d")) == (["wait", "wait"], 1)
+    if dies == "holding":
+        holder.release()  # "new" is granted: its process claims it, then dies
+        assert script(g, "acquire", ticket="new", session="d", need=60, probe=-2)["o"] == "admit"
+        clock.advance(11)
+    else:
+        clock.advance(3.5)  # "new" missed its polls (2 polls + 1 s)
+    g.write_snapshot(engines(cap=100))
+    g.housekeep()
+    assert g.num_preempted("d") == 0 and not g.redis.hexists(g.key("preempted"), "d")
+    assert g.redis.hlen(g.key("waiters")) == 0 and g.redis.hlen(g.key("leases")) == (0 if dies == "holding" else 1)

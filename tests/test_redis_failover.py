@@ -210,6 +210,39 @@ def test_a_waiter_the_new_server_kept_is_dropped_by_its_release(two_servers, tmp
         gb.close()
 
 
+@pytest.mark.redis_real
+@pytest.mark.parametrize("used_again", [False, True])
+def test_a_finish_the_new_server_lacks_is_sent_again(two_servers, tmp_path, used_again):
+    # the session's window (still charged, idle) survives on a copy made before its finish:
+    # the finish, sent again at the first reply from the new server, ends it there. Unless
+    # the session id was used again since: the earlier finish would end the new turn's window
+    a, b, url = two_servers
+    g = kvgate.Gate.from_url(url, gate="lostfin", config=config(idle_grace_s=600.0))
+    try:
+        g.write_snapshot(engines())  # with admission on, a turn opens its session's window
+        assert g.acquire("s", prompt_tokens=100, max_new_tokens=10).release() is True
+        copy = {k: g.redis.dump(k) for k in g.redis.keys(g.key("*"))}  # before the finish
+        out = g.finish_session("s")
+        assert (out["window"], out["freed"]) == (1, 110) and "srv" not in out
+        again = None
+        if used_again:  # the copy has the new turn's lease and window (the finish is in the past)
+            again = g.acquire("s", prompt_tokens=100, max_new_tokens=10)
+            copy = {k: g.redis.dump(k) for k in g.redis.keys(g.key("*"))}
+        fail_over(tmp_path, a, b, copy)
+        cb = b.client()
+        admitted(g, "t").release()
+        if again is not None:
+            assert again.release() is True
+        # the window the new server has: the one of the session's new life, or none
+        assert cb.hexists(g.key("windows"), "s") is used_again
+        assert int(cb.hget(g.key("ledger"), "reserved")) == (110 if used_again else 0)
+        assert g.deferred_count == 0
+        # counted once: by the new server that lacked it, or in the copy that has it
+        assert int(cb.hget(g.key("totals"), "session_finished")) == 1
+    finally:
+        g.close()
+
+
 # -- the servers ---------------------------------------------------------------------------
 def role(rp: RedisProc) -> str:
     c = rp.client(socket_timeout=2)
@@ -456,7 +489,7 @@ def test_turns_survive_a_sentinel_failover(sentinel_group):
         turns.join()
         print(f"\nsentinel failover: {check_run(turns, killed_at)}")
         st, replayed = settle(gate, ops, turns)
-        print(f"{replayed} releases and cancels sent again to the new primary")
+        print(f"{replayed} releases, cancels and finishes sent again to the new primary")
         assert_exact_ledger(ops, st)
     finally:
         turns.stop.set()
@@ -524,7 +557,7 @@ def test_managed_failover_that_loses_writes(tmp_path, repoint):
             print(f"\nmanaged failover ({repoint}): {lost} turns decided by the old primary after the "
                   f"promotion (their writes lost); {check_run(turns, killed_at)}")
             st, replayed = settle(gates[-1], ops[-1], turns)
-            print(f"{replayed} releases and cancels sent again to the new primary")
+            print(f"{replayed} releases, cancels and finishes sent again to the new primary")
             if repoint == "new_gate":
                 def drained() -> dict | None:
                     ops[-1].housekeep()  # the poller's reclaim of expired leases

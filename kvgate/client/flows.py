@@ -34,6 +34,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generator, Sequence
 
+import redis.exceptions as redis_errors
+
 from .. import keys as _keys
 from .._urls import normalize_base_url
 from ..config import GateConfig
@@ -54,16 +56,17 @@ BREAKER_S = 1.0
 MAX_DEFERRED = 4096
 #: most deferred give-backs one call sends before its own script
 DEFERRED_BATCH = 32
-#: releases and cancels Redis confirmed within this many seconds before the latest one are
-#: sent again when another Redis process answers (its run_id changed: a failover): the
-#: replica promoted lacked the writes it had not received yet, and a
-#: lost release would keep its lease charged until ``lease_ttl_s``
+#: releases, cancels and session finishes Redis confirmed within this many seconds before the
+#: latest one are sent again when another Redis process answers (its run_id changed: a failover): the
+#: replica promoted lacked the writes it had not received yet: a lost release would keep its
+#: lease charged until ``lease_ttl_s``, a lost finish its window for ``idle_grace_s``
 #: (docs/decisions.md#failover-replays-give-backs). Far above any healthy replication lag.
 REPLAY_S = 10.0
 #: sessions whose last turn end this process remembers (for the tool gap it reports)
 MAX_TRACKED_SESSIONS = 65536
-#: a close that went to no engine is logged at most once per this many seconds (always counted)
-CLOSE_WARN_EVERY_S = 60.0
+#: a close that went to no engine, and a Redis fault, are each logged at most once per this
+#: many seconds (always counted; the line says how many it stands for)
+WARN_EVERY_S = 60.0
 #: the most tokens a turn's prompt or decode budget may claim: far above any model's
 #: context, and low enough that the ledger's sums stay exact in the scripts (Lua's ``%d``
 #: and cjson's 14 significant digits)
@@ -159,6 +162,35 @@ class Interrupted(Exception):
     def __init__(self, error: BaseException):
         super().__init__(repr(error))
         self.error = error
+
+
+def describe_fault(error: BaseException) -> str:
+    """What a Redis fault means for the gate, in the words of the one log line it gets."""
+    if isinstance(error, RedisDown) and error.error is not None:
+        error = error.error
+    if isinstance(error, redis_errors.OutOfMemoryError):
+        return ("Redis refuses writes: it is out of memory (used_memory over maxmemory, and the policy "
+                "noeviction); free memory or raise maxmemory, and gating resumes by itself")
+    said = str(error)
+    return f"Redis did not answer ({type(error).__name__}{': ' + said if said else ''})"
+
+
+class WarnEvery:
+    """One log line per ``every_s`` for a recurring event: ``due(now)`` counts the event and
+    answers how many events the line to write now stands for, or 0 when it is not due (the
+    caller holds its lock)."""
+
+    def __init__(self, every_s: float = WARN_EVERY_S):
+        self.every_s = every_s
+        self._at: float | None = None
+        self._unlogged = 0
+
+    def due(self, now: float) -> int:
+        self._unlogged += 1
+        if self._at is not None and now - self._at < self.every_s:
+            return 0
+        self._at, n, self._unlogged = now, self._unlogged, 0
+        return n
 
 
 # -- one run of a flow by a driver ----------------------------------------------------------
@@ -268,6 +300,12 @@ class Decision:
 
 def new_ticket() -> str:
     return uuid.uuid4().hex
+
+
+def finish_key(session_id: str) -> str:
+    """A finished session's entry among the give-backs kept by ticket (tickets are hex: the
+    two never meet)."""
+    return "finish " + session_id
 
 
 def check_session_id(session_id: Any) -> str:
@@ -388,7 +426,8 @@ class GateFlows:
         # releases and cancels Redis has not confirmed: ticket -> (script, params); sent
         # before the next script call once the breaker is closed (docs/concepts.md#failing-open)
         self._deferred: OrderedDict[str, tuple[str, dict]] = OrderedDict()
-        # releases and cancels Redis confirmed lately: ticket -> (clock(), script, params);
+        # releases, cancels and finishes Redis confirmed lately: ticket (``finish_key`` for a
+        # finish) -> (clock(), script, params);
         # deferred again when another Redis process answers, as a failover may have lost them
         self._confirmed: OrderedDict[str, tuple[float, str, dict]] = OrderedDict()
         self._server: str | None = None  # the run_id of the Redis process that answered last
@@ -396,8 +435,8 @@ class GateFlows:
         self.turns: Counter = Counter()  # session -> next turn index
         self.last_end: OrderedDict[str, float] = OrderedDict()  # session -> clock() at its last turn end
         self.last_prompt: OrderedDict[str, int] = OrderedDict()  # session -> prompt tokens of its last turn
-        self._close_warned_at: float | None = None
-        self._close_unlogged = 0
+        self._close_warn = WarnEvery()  # closes that reached no engine
+        self._fault_warn = WarnEvery()  # Redis faults (turns bypass as degraded meanwhile)
 
     def key(self, name: str) -> str:
         return _keys.key(self.name, name)
@@ -558,6 +597,10 @@ class GateFlows:
                 self.turns[req.session_id] += 1
             ended = self.last_end.pop(req.session_id, None)
             prev = self.last_prompt.get(req.session_id)
+            # the session id is in use again: a finish of its earlier life, sent again after a
+            # failover, would end this life's window or stop its waiting attempt
+            self._confirmed.pop(finish_key(req.session_id), None)
+            self._deferred.pop(finish_key(req.session_id), None)
         if prev is not None:
             changes["prev_prompt_tokens"] = prev
         if ended is not None:
@@ -575,6 +618,11 @@ class GateFlows:
             out.update((yield from self._script("finish_session", {"session": session_id})))
         except RedisDown as e:
             out["error"] = str(e)
+        else:
+            # a failover may lose it as it may lose a release: sent again then, as ``again``
+            # (finish_session.lua counts a finish sent again only when it still changed something)
+            out.pop("srv", None)
+            self._confirm(finish_key(session_id), "finish_session", {"session": session_id, "again": 1})
         with self._lock:
             self.turns.pop(session_id, None)
             self.last_end.pop(session_id, None)
@@ -613,7 +661,7 @@ class GateFlows:
     def _close_targets(self, found: list[str] | None, session_id: str) -> tuple[list[str], int]:
         """The URLs a close goes to, and how many closes already failed: malformed URLs (a
         snapshot written by hand), and one for a close that can reach no engine, which is
-        logged at warning level at most once per ``CLOSE_WARN_EVERY_S``."""
+        logged at warning level at most once per ``WARN_EVERY_S``."""
         urls: list[str] = []
         bad = 0
         for u in found or []:
@@ -625,13 +673,10 @@ class GateFlows:
             return urls, bad
         why = ("the engine list could not be read from Redis" if found is None else
                "no engine URL is known (no snapshot with engine URLs, and no engine_urls knob)")
-        now = self.clock()
         with self._lock:
-            self._close_unlogged += 1
-            if self._close_warned_at is not None and now - self._close_warned_at < CLOSE_WARN_EVERY_S:
-                return urls, 1
-            self._close_warned_at, n = now, self._close_unlogged
-            self._close_unlogged = 0
+            n = self._close_warn.due(self.clock())
+        if not n:
+            return urls, 1
         log.warning("gate %s: the close of session %r reached no engine (counted as a failed close): "
                     "%s; %d such close(s) since the last warning", self.name, session_id, why, n)
         return urls, 1
@@ -698,8 +743,18 @@ class GateFlows:
     def breaker_open(self) -> bool:
         return self.clock() < self._breaker_until
 
-    def trip(self) -> None:
-        self._breaker_until = self.clock() + BREAKER_S
+    def trip(self, error: BaseException | None = None) -> None:
+        """Open the breaker for ``BREAKER_S``; a fault (``error``) is logged at warning level
+        at most once per ``WARN_EVERY_S``, with what it means and how many it stands for."""
+        now = self.clock()
+        self._breaker_until = now + BREAKER_S
+        if error is None:
+            return
+        with self._lock:
+            n = self._fault_warn.due(now)
+        if n:
+            log.warning("gate %s: %s; meanwhile turns bypass as degraded and releases are kept to send "
+                        "later; %d Redis fault(s) since the last warning", self.name, describe_fault(error), n)
 
     def _note_server(self, reply: Any) -> None:
         """A turn script's reply names the Redis process that ran it (common.lua server_id).
@@ -722,7 +777,7 @@ class GateFlows:
                     self.local["replayed"] += 1
             self._drop_oldest()
         log.warning("gate %s: another Redis process answers (a failover or a restart): sending %d recent "
-                    "releases and cancels again", self.name, len(replay))
+                    "releases, cancels and session finishes again", self.name, len(replay))
 
     def _confirm(self, ticket: str, script: str, params: dict) -> None:
         """Remember a give-back Redis confirmed, for REPLAY_S after the latest one."""
@@ -745,8 +800,8 @@ class GateFlows:
             r = yield self.eval_op(name, params)
         except AccessDenied as e:
             raise RedisAccessDenied(str(e), e.error) from e.error
-        except RedisDown:
-            self.trip()
+        except RedisDown as e:
+            self.trip(e)
             raise
         self._note_server(r)
         return r
@@ -760,8 +815,8 @@ class GateFlows:
             return (yield op)
         except AccessDenied as e:
             raise RedisAccessDenied(str(e), e.error) from e.error
-        except RedisDown:
-            self.trip()
+        except RedisDown as e:
+            self.trip(e)
             raise
 
     @staticmethod
@@ -817,7 +872,7 @@ class GateFlows:
                 try:
                     self._note_server((yield self.eval_op(script, params)))
                 except RedisDown as e:
-                    self.trip()
+                    self.trip(e)
                     raise BreakerOpen(f"Redis faulted while sending deferred releases: {e}") from e
                 self._confirm(t, script, params)  # a failover right after may lose it too
                 done += 1

@@ -4,7 +4,7 @@
   goes back), and the reap of expired ones. The record's fields: docs/keys.md#lease; its
   states: docs/state-machines.md#lease.
 
-  KEYS used: leases, lease_exp, ledger, windows, window_exp, window_order
+  KEYS used: leases, lease_exp, ledger, windows, window_exp, window_order, preempted
   Knobs read: lease_ttl_ms, claim_ms (grant)
 ]]
 --@include common
@@ -100,8 +100,12 @@ end
 -- returns how many
 local function reap_leases(limit)
   return reap_expired(K.lease_exp, limit, function(t)
-    if not free_lease(t) then return false end
+    local l = free_lease(t)
+    if not l then return false end
     stat("lease_expired")
+    -- its holder is gone, and nobody will finish its session: its preemption count (kept
+    -- until finish_session) goes with it, or it would stay in preempted for ever
+    redis.call("HDEL", K.preempted, l.s)
     return true
   end)
 end

@@ -5,7 +5,7 @@
   fit, oldest first. The record's fields: docs/keys.md#waiter; its states:
   docs/state-machines.md#waiter.
 
-  KEYS used: fifo, waiters, alive, session_waiter
+  KEYS used: fifo, waiters, alive, session_waiter, preempted
   Knobs read: none (the fit test and the grant read theirs: snapshot.lua, windows.lua,
     leases.lua)
 ]]
@@ -29,13 +29,22 @@ local function drop_waiter(ticket, w)
   end
 end
 
--- bounded drop of waiter records past their liveness deadline (their process died or gave
--- up without a cancel); returns how many
+-- drop a waiter record past its liveness deadline: its process died or gave up without a
+-- cancel. One still waiting is counted dead, and nobody will finish its session: the
+-- session's preemption count (kept until finish_session) goes with it, or it would stay in
+-- preempted for ever
+local function drop_dead_waiter(ticket, w)
+  drop_waiter(ticket, w)  -- also out of alive, with or without a record
+  if w and w.st == "w" then
+    stat("dead_waiter")
+    redis.call("HDEL", K.preempted, w.s)
+  end
+end
+
+-- bounded drop of waiter records past their liveness deadline; returns how many
 local function reap_waiters(limit)
   return reap_expired(K.alive, limit, function(t)
-    local w = jget(K.waiters, t)
-    drop_waiter(t, w)  -- also out of alive, with or without a record
-    if w and w.st == "w" then stat("dead_waiter") end
+    drop_dead_waiter(t, jget(K.waiters, t))
     return true
   end)
 end
@@ -65,8 +74,7 @@ local function advance(limit, snap)
     if not w then
       redis.call("ZREM", K.fifo, head)
     elseif num(redis.call("ZSCORE", K.alive, head), 0) <= NOW then
-      drop_waiter(head, w)
-      stat("dead_waiter")
+      drop_dead_waiter(head, w)
     else
       local win_mode = opens_window(w.r, snap.usage) and "open" or nil
       if block_reason(snap, w.n) ~= nil then break end
