@@ -250,6 +250,8 @@ class TurnRequest:
     timeout_s: float | None = None
     gap_s: float | None = None   # the session's time away since its last turn ended (this process saw it)
     prev_prompt_tokens: int | None = None  # the prompt of the session's last turn here (what the engines may still hold)
+    prefix_key: str | None = None  # the shared prefix the prompt starts with (None: nothing shared)
+    prefix_tokens: int = 0  # its length in tokens, at most the prompt's
 
 
 @dataclass(frozen=True)
@@ -291,7 +293,7 @@ TURN_SCOPES = ("train", "eval")
 def build_request(cfg: GateConfig, session_id: Any, *, max_new_tokens: Any, prompt_ids: Sequence[int] | None = None,
                   prompt_tokens: int | None = None, protected: bool = False, scope: str = "train",
                   retain_session: bool = True, turn_index: int | None = None, timeout_s: float | None = None,
-                  ticket: str | None = None) -> TurnRequest:
+                  ticket: str | None = None, prefix_key: Any = None, prefix_tokens: Any = None) -> TurnRequest:
     """Validate a turn's arguments (before anything touches Redis) and size its reservation."""
     check_session_id(session_id)
     if (prompt_ids is None) == (prompt_tokens is None):
@@ -318,13 +320,39 @@ def build_request(cfg: GateConfig, session_id: Any, *, max_new_tokens: Any, prom
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                   or not math.isfinite(timeout_s) or timeout_s < 0):
         raise ValueError(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
+    check_prefix(prefix_key, prefix_tokens, n_prompt)
     decode = max_new_tokens
     cap = cfg.effective("expected_decode_cap")  # never an unchecked cap (admission off)
     if cap is not None:
         decode = min(decode, cap)
     return TurnRequest(session_id=session_id, ticket=ticket or new_ticket(), need=n_prompt + decode,
                        prompt_tokens=n_prompt, prompt_ids=prompt_ids, protected=bool(protected),
-                       retain=bool(retain_session), scope=scope, turn_index=turn_index, timeout_s=timeout_s)
+                       retain=bool(retain_session), scope=scope, turn_index=turn_index, timeout_s=timeout_s,
+                       prefix_key=prefix_key if prefix_tokens else None, prefix_tokens=prefix_tokens or 0)
+
+
+def check_prefix(prefix_key: Any, prefix_tokens: Any, n_prompt: int) -> None:
+    """The sharing arguments of a turn: both or neither; the key a non-empty str of at most
+    ``MAX_SESSION_ID`` characters (it names a record in Redis, as a session id does), the
+    length an int in [0, the prompt's tokens] (0: nothing shared)."""
+    if (prefix_key is None) != (prefix_tokens is None):
+        raise ValueError("give both prefix_key (which prefix the prompt shares) and prefix_tokens (its length), "
+                         "or neither")
+    if prefix_key is None:
+        return
+    if not isinstance(prefix_key, str):
+        raise TypeError(f"prefix_key must be a str, got {type(prefix_key).__name__}")
+    if not prefix_key or len(prefix_key) > MAX_SESSION_ID:
+        raise ValueError(f"prefix_key must be a non-empty string of at most {MAX_SESSION_ID} characters, "
+                         f"got {prefix_key!r}")
+    try:
+        prefix_key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"prefix_key must be valid Unicode (no lone surrogates), got {prefix_key!r}") from None
+    if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int):
+        raise TypeError(f"prefix_tokens must be an int, got {type(prefix_tokens).__name__}")
+    if not 0 <= prefix_tokens <= n_prompt:
+        raise ValueError(f"prefix_tokens must be in [0, the prompt's {n_prompt} tokens], got {prefix_tokens}")
 
 
 def knob_params(cfg: GateConfig, channel: str) -> dict:
@@ -467,6 +495,8 @@ class GateFlows:
             params["gap"] = round(req.gap_s * 1000.0, 1)
         if req.prev_prompt_tokens is not None:
             params["prev_prompt"] = req.prev_prompt_tokens
+        if req.prefix_key is not None:
+            params["prefix_key"], params["prefix_tokens"] = req.prefix_key, req.prefix_tokens
         probe_default = params["probe"]
 
         def degraded() -> Decision:
