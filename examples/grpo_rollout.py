@@ -30,14 +30,13 @@ import contextlib
 import json
 import random
 import sys
-import threading
 import time
 from collections import Counter
 
 import httpx
 
 import kvgate
-from _support import private_redis, say  # examples/_support.py
+from _support import private_redis, say, start_poller, wait_fresh  # examples/_support.py
 
 EXAMPLE_KNOBS = dict(max_wait_s=5.0, wait_poll_s=0.5, idle_grace_s=10.0)
 
@@ -111,20 +110,10 @@ class Sample:
             self.stats["finished"] += 1
 
 
-async def wait_fresh(gate: kvgate.AsyncGate, wait_s: float) -> dict:
-    deadline = time.monotonic() + wait_s
-    while True:
-        st = await gate.status()
-        if not st["degraded"] or time.monotonic() > deadline:
-            return st
-        await asyncio.sleep(0.2)
-
-
 async def amain(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     with contextlib.ExitStack() as stack:
         redis_url = args.redis or stack.enter_context(private_redis())
-        from kvgate.control.poller import Poller
         from kvgate.tools.sim import SimCluster
 
         sim = SimCluster(1, "gpu-h100-30b", time_scale=args.sim_time_scale, kv_capacity_tokens=args.sim_kv_tokens)
@@ -133,15 +122,8 @@ async def amain(args: argparse.Namespace) -> int:
         url = sim.router_url
         say(f"started the SGLang SIMULATOR: router {url}, one engine of {args.sim_kv_tokens} KV tokens")
         cfg = kvgate.GateConfig.from_env(base=kvgate.GateConfig(**EXAMPLE_KNOBS))
-        pgate = stack.enter_context(kvgate.Gate.from_url(redis_url, gate=args.gate, config=cfg))
-        poller = Poller(pgate, router=url, interval_s=0.5, leader_ttl_s=5.0)
-        th = threading.Thread(target=poller.run, name="kvgate-poller", daemon=True)
-        th.start()
-
-        def stop_poller() -> None:
-            poller.stop()
-            th.join(10)
-        stack.callback(stop_poller)
+        start_poller(stack, stack.enter_context(kvgate.Gate.from_url(redis_url, gate=args.gate, config=cfg)),
+                     router=url)
 
         async with kvgate.AsyncGate.from_url(redis_url, gate=args.gate, config=cfg) as gate, \
                 httpx.AsyncClient(timeout=30.0, trust_env=False) as http:

@@ -276,14 +276,19 @@ def check_session_id(session_id: Any) -> str:
     """The one rule for a session id, used by the gates, the close fan-out and the probes: a
     non-empty str of at most ``MAX_SESSION_ID`` characters that encodes as UTF-8 (a lone
     surrogate would make every script call for it fail)."""
-    if not isinstance(session_id, str) or not session_id or len(session_id) > MAX_SESSION_ID:
-        raise ValueError(f"session_id must be a non-empty string of at most {MAX_SESSION_ID} characters, "
-                         f"got {session_id!r}")
+    return _check_name("session_id", session_id)
+
+
+def _check_name(what: str, value: Any) -> str:
+    """A name that goes into Redis (a session id, a prefix key): a non-empty str of at most
+    ``MAX_SESSION_ID`` characters that encodes as UTF-8; ValueError naming ``what`` else."""
+    if not isinstance(value, str) or not value or len(value) > MAX_SESSION_ID:
+        raise ValueError(f"{what} must be a non-empty string of at most {MAX_SESSION_ID} characters, got {value!r}")
     try:
-        session_id.encode("utf-8")
+        value.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError(f"session_id must be valid Unicode (no lone surrogates), got {session_id!r}") from None
-    return session_id
+        raise ValueError(f"{what} must be valid Unicode (no lone surrogates), got {value!r}") from None
+    return value
 
 
 #: what a turn may say it is (``scope=``); the gate's config ``scope`` says which it gates
@@ -342,13 +347,7 @@ def check_prefix(prefix_key: Any, prefix_tokens: Any, n_prompt: int) -> None:
         return
     if not isinstance(prefix_key, str):
         raise TypeError(f"prefix_key must be a str, got {type(prefix_key).__name__}")
-    if not prefix_key or len(prefix_key) > MAX_SESSION_ID:
-        raise ValueError(f"prefix_key must be a non-empty string of at most {MAX_SESSION_ID} characters, "
-                         f"got {prefix_key!r}")
-    try:
-        prefix_key.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"prefix_key must be valid Unicode (no lone surrogates), got {prefix_key!r}") from None
+    _check_name("prefix_key", prefix_key)
     if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int):
         raise TypeError(f"prefix_tokens must be an int, got {type(prefix_tokens).__name__}")
     if not 0 <= prefix_tokens <= n_prompt:
