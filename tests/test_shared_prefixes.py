@@ -39,6 +39,9 @@ def test_prefix_charged_once_and_freed_by_its_last_holder(backend):
     m = g.step_metrics(drain=False)
     assert m["agentic_kv/budget/reserved_unshared"] == 2 * 1100  # what a per-session ledger would hold
     assert m["agentic_kv/sharing/prefixes"] == 1
+    from kvgate.control.status import status_parts  # kvgate status shows it
+    head = dict(status_parts(g.status())[0])
+    assert head["shared prefixes"] == [("1 charged once; 800 not charged again", None)]
     # the windows keep the prefix charged between turns
     a.release()
     b.release()
