@@ -160,3 +160,15 @@ def test_sharing_arguments_are_checked_before_redis(driver, kw, err):
     with pytest.raises(err, match="prefix_"):
         driver(g.acquire("s", prompt_ids=list(range(100)), max_new_tokens=10, **kw))
     assert driver(driver.client().keys("*")) == []  # nothing touched Redis
+
+
+def test_both_gates_pass_the_sharing_to_the_ledger(driver):
+    g = driver.gate(clock=Clock())
+    driver(g.write_snapshot(engines(cap=10_000)))
+    leases = [driver(g.acquire(s, prompt_ids=list(range(1000)), max_new_tokens=100, **TASK)) for s in ("a", "b")]
+    assert [lease.reason for lease in leases] == ["open", "open"]
+    st = driver(g.status())
+    assert (st["reserved"], st["reserved_unshared"], st["prefixes"]) == (1400, 2200, 1)
+    for s in ("a", "b"):
+        driver(g.finish_session(s))
+    assert driver(g.status())["reserved"] == 0
