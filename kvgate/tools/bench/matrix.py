@@ -33,12 +33,12 @@ def matrix_row(o: Outcome) -> dict:
             "better": pick(base, "policy"),
             "kvgate_vs_better": paired_ratio(gate, base) if gate is not None and base is not None else None,
             "within_target": within,
-            # where the scenario shares prefixes: the same gate told nothing of them (bench.json only)
-            "kvgate_vs_noshare": paired_ratio(gate, noshare) if gate is not None and noshare is not None else None,
             "hit_rate": {k: pick(r, "hit_rate") for k, r in (("kvgate", gate), ("none", none), ("best_cap", cap))},
             "reprefill_tokens": {k: pick(r, "reprefill_tokens")
                                  for k, r in (("kvgate", gate), ("none", none), ("best_cap", cap))},
-            "caps": o.plan.sweep.caps, "modified": bool(o.changed)}
+            "caps": o.plan.sweep.caps, "modified": bool(o.changed),
+            # where the scenario shares prefixes: against the same gate told nothing of them (bench.json only)
+            **({"kvgate_vs_noshare": paired_ratio(gate, noshare)} if gate is not None and noshare is not None else {})}
 
 
 def render_matrix(rows: Sequence[dict], console: Any, rounds: int) -> None:
