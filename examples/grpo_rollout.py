@@ -2,16 +2,19 @@
 """A GRPO-style rollout with ``kvgate.AsyncGate``: n samples of every task, all sharing the
 task's prompt (and every task the same system prompt), then diverging turn by turn.
 
-Every turn of a sample tells the gate which prefix its prompt shares, so the ledger charges
-the task's prompt once for the whole group, as the engines' prefix caches store it once::
+Every turn of a sample tells the gate which prefixes its prompt shares, outermost first (the
+system prompt, then the task's prompt that starts with it), so the ledger charges each once, as
+the engines' prefix caches store each once::
 
     shared = len(system_prompt) + len(task_prompt)
     async with gate.turn(sample_id, prompt_ids=history, max_new_tokens=n,
-                         prefix_key=f"task-{task}", prefix_tokens=shared) as lease:
+                         prefix_key=["system", f"task-{task}"],
+                         prefix_tokens=[len(system_prompt), shared]) as lease:
         out = await engine.generate(history)
     history += out + await tool(...)              # the tool pause, outside the lease
     ...
     await gate.finish_session(sample_id)          # the task's last sample gives its prompt back
+                                                  # (and the last sample of all the system prompt)
 
 By default it starts a private redis-server, kvgate's SGLang SIMULATOR (``SimCluster``, one
 engine, a small KV pool) and a ``Poller`` in a thread. ``--no-share`` runs the same rollout
@@ -68,12 +71,16 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 class Sample:
     """One sample of one task: the shared first prompt, then its own outputs and tool results."""
 
-    def __init__(self, task: int, k: int, first_prompt: list[int], shared: int, gate: kvgate.AsyncGate,
+    def __init__(self, task: int, k: int, first_prompt: list[int], gate: kvgate.AsyncGate,
                  http: httpx.AsyncClient, url: str, args: argparse.Namespace, stats: dict):
         self.sid = f"task-{task}/sample-{k}"
         self.task, self.gate, self.http, self.url, self.args, self.stats = task, gate, http, url, args, stats
         self.history = list(first_prompt)
-        self.share = {} if args.no_share else {"prefix_key": f"task-{task}", "prefix_tokens": shared}
+        # the system prompt (when there is one), then this task's whole first prompt
+        levels = [("system", args.system_tokens)] if args.system_tokens else []
+        levels.append((f"task-{task}", len(first_prompt)))
+        self.share = {} if args.no_share else {"prefix_key": [k for k, _ in levels],
+                                                "prefix_tokens": [t for _, t in levels]}
         # samples diverge: temperature > 0 in a real rollout; here each draws its own tools
         self.rng = random.Random(f"{args.seed}/{self.sid}")
 
@@ -136,7 +143,7 @@ async def amain(args: argparse.Namespace) -> int:
             samples = []
             for task in range(args.tasks):
                 prompt = system + tokens(rng, args.task_tokens)
-                samples += [Sample(task, k, prompt, len(prompt), gate, http, url, args, stats)
+                samples += [Sample(task, k, prompt, gate, http, url, args, stats)
                             for k in range(args.samples)]
             try:
                 await asyncio.wait_for(asyncio.gather(*(s.run() for s in samples)), args.timeout_s)

@@ -12,10 +12,11 @@
     session (str, required): the session (agent program) the turn belongs to
     need (tokens, required): what the turn reserves: its prompt plus its capped decode budget
     prompt (tokens, required): the prompt part of need
-    prefix_key (str, optional): the prefix this turn's prompt shares with other sessions' (a
-      GRPO task's prompt, a system prompt): charged to the ledger once while any holder of
-      it is (includes/prefixes.lua); absent: nothing shared
-    prefix_tokens (tokens, optional): how many leading tokens of the prompt that prefix is
+    prefixes (list, optional): the prefixes this turn's prompt shares with other sessions'
+      (a system prompt, a GRPO task's prompt), outermost first, as [key, tokens] pairs: the
+      key names the prefix, tokens is how many leading tokens of the prompt it is (so they
+      grow level by level); each is charged to the ledger once while any holder of it is
+      (includes/prefixes.lua); absent: nothing shared
     protected (0/1, required): 1: protected work, bypasses at once (rule 2)
     retain (0/1, required): 1: an admission opens (or keeps) the session's ownership window
       where the features say so (windows.lua opens_window)
@@ -49,12 +50,19 @@
 
 local ticket, session, need, prompt = P.ticket, P.session, math.floor(P.need), math.floor(P.prompt)
 local prev = math.floor(num(OPT.prev_prompt, 0))
--- the prefix it shares, {k = key, t = tokens} (at most its prompt) or nil: every fit test
--- below reads its marginal cost (includes/prefixes.lua cost), read where it is used, as the
--- reaps on the way may end the prefix's last other holder
+-- the prefixes it shares, as levels {k = key, t = the tokens it adds to the level before},
+-- within its prompt, or nil: every fit test below reads its marginal cost
+-- (includes/prefixes.lua cost), read where it is used, as the reaps on the way may end a
+-- prefix's last other holder
 local pre = nil
-if OPT.prefix_key ~= nil and num(OPT.prefix_tokens, 0) > 0 then
-  pre = { k = OPT.prefix_key, t = math.min(math.floor(OPT.prefix_tokens), prompt) }
+local below = 0
+for _, lv in ipairs(OPT.prefixes or {}) do
+  local upto = math.min(math.floor(num(lv[2], 0)), prompt)
+  if upto > below then
+    pre = pre or {}
+    pre[#pre + 1] = { k = tostring(lv[1]), t = upto - below }
+    below = upto
+  end
 end
 account()
 
@@ -248,18 +256,18 @@ end
 if not w then
   if seq == nil then seq = redis.call("HINCRBY", K.ledger, "seq", 1) end
   w = { s = session, n = need, p = prompt, v = prev, e = NOW, st = "w", r = P.retain }
-  if pre ~= nil then w.pk, w.pt = pre.k, pre.t end
+  if pre ~= nil then w.pk, w.pt = prefix_fields(pre) end
   if OPT.t0 ~= nil then w.b = num(OPT.t0, NOW) end  -- began before enqueueing (a probe round trip)
   jset(K.waiters, ticket, w)
   redis.call("ZADD", K.fifo, I(seq), ticket)
   redis.call("HSET", K.session_waiter, session, ticket)
   stat("wait")
   stat("wait_" .. reason)
-elseif w.n ~= need or w.p ~= prompt or w.pk ~= (pre and pre.k) or w.pt ~= (pre and pre.t) then
+elseif w.n ~= need or w.p ~= prompt then
   w.n = need
   w.p = prompt
   w.pk, w.pt = nil, nil
-  if pre ~= nil then w.pk, w.pt = pre.k, pre.t end
+  if pre ~= nil then w.pk, w.pt = prefix_fields(pre) end
   jset(K.waiters, ticket, w)
 end
 redis.call("ZADD", K.alive, I(NOW + P.alive_ms), ticket)

@@ -31,7 +31,7 @@ def test_samples_of_a_task_send_one_first_prompt_and_every_task_one_system_promp
     for k in range(0, 12, 4):
         assert all(f == firsts[k] for f in firsts[k:k + 4]), "siblings send the same first prompt"
         assert w.sessions[k].shared_tokens == len(firsts[k])
-        assert w.shared_prefix(w.sessions[k]) == (f"group:{groups[k]}", len(firsts[k]))
+        assert w.shared_prefix(w.sessions[k]) == (("system", 200), (f"group:{groups[k]}", len(firsts[k])))
     assert all(f[:200] == firsts[0][:200] for f in firsts), "one system prompt"
     assert firsts[0][200:216] != firsts[4][200:216], "tasks differ past it"
     # the same ids hash to the same blocks, so the engine's prefix cache stores them once
@@ -53,7 +53,7 @@ def test_a_workload_without_groups_draws_what_it_always_drew():
     from kvgate.tools.bench.workload import session_tokens
     s = w.sessions[2]
     assert turn_tokens(w, s, 0) == session_tokens(w, s.session_id, 0, s.turns[0].new_tokens)
-    assert all(w.shared_prefix(s) is None for s in w.sessions)
+    assert all(w.shared_prefix(s) == () for s in w.sessions)
 
 
 @pytest.mark.parametrize("kw, fragment", [(dict(group_size=0), "group size"),
@@ -79,7 +79,8 @@ def test_a_trace_says_which_sessions_share_a_prompt():
     assert (a.group, a.shared_tokens, c.group, w.system_tokens) == ("t1", 80, None, 30)
     assert turn_tokens(w, a, 0)[:80] == turn_tokens(w, b, 0)[:80]
     assert turn_tokens(w, a, 0)[:30] == turn_tokens(w, c, 0)[:30] != turn_tokens(w, c, 0)[:31]
-    assert w.shared_prefix(c) == ("system", 30)
+    assert w.shared_prefix(c) == (("system", 30),)
+    assert w.shared_prefix(a) == (("system", 30), ("group:t1", 80))
 
 
 @pytest.mark.parametrize("lines, fragment", [

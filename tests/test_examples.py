@@ -389,9 +389,11 @@ def test_grpo_rollout_example(redis_url, tmp_path, share):
     assert sum(v for k, v in res["outcomes"].items() if k.split("/")[0] in OUTCOMES) == res["turns"]
     sharing = res["sharing"]
     if share:
-        # each task's prompt (512 system + 1,024 task tokens) charged once, the other three
-        # samples of each task admitted at their own part
-        assert sharing["prefix_charged_tokens"] == 3 * 1536 and sharing["group_admit"] == 3 * 3
+        # the 512-token system prompt charged once, each task's 1,024 tokens on it once; every
+        # admission but the very first found a prefix charged already (the system prompt, and
+        # for the other three samples of each task their task's prompt too)
+        assert sharing["prefix_charged_tokens"] == 512 + 3 * 1024 and sharing["group_admit"] == 3 * 4 - 1
+        assert sharing["saved_tokens"] == 3 * 3 * 1536 + 2 * 512
     else:
         assert sharing["prefix_charged_tokens"] == 0 and sharing["group_admit"] == 0
     assert res["first_turn_cached_tokens"] > 0, "siblings' first prompts hit the engine's prefix cache"

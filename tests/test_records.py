@@ -68,7 +68,7 @@ def test_the_records_have_exactly_the_documented_fields(backend):
     assert call("acquire", ticket="W2", session="w", need=10, probe=-1)["o"] == "probe"
     assert json.loads(g.redis.hget(g.key("waiters"), "W1")).keys() >= {"q", "b", "st"}
     # a shared prefix held by a window and by a lease of its own, and a waiter that shares it
-    shared = dict(prefix_key="task", prefix_tokens=60)
+    shared = dict(prefixes=[["task", 60]])
     g.write_snapshot(engines(usage=0.1, cap=1000))
     assert call("acquire", ticket="P1", session="p1", need=100, probe=-2, retain=1, **shared)["o"] == "admit"
     assert call("acquire", ticket="P2", session="p2", need=100, probe=-2, **shared)["o"] == "admit"

@@ -21,9 +21,11 @@ def _prefix(g, key: str = "task-7"):
 
 
 def _acq(g, ticket: str, session: str, need: int, shared: dict | None = None, **kw) -> dict:
-    """One acquire.lua call (a turn whose prompt is need - 100, decode 100), sharing ``shared``."""
-    return script(g, "acquire", ticket=ticket, session=session, need=need, prompt=need - 100, probe=-2,
-                  **(shared or {}), **kw)
+    """One acquire.lua call (a turn whose prompt is need - 100, decode 100), sharing ``shared``
+    (the turn's arguments, as the client passes them to the script)."""
+    if shared:
+        kw["prefixes"] = [[shared["prefix_key"], shared["prefix_tokens"]]]
+    return script(g, "acquire", ticket=ticket, session=session, need=need, prompt=need - 100, probe=-2, **kw)
 
 
 def test_prefix_charged_once_and_freed_by_its_last_holder(backend):
@@ -128,6 +130,29 @@ def test_a_dead_siblings_lease_is_reclaimed_without_freeing_the_shared_charge(ba
     assert g.finish_session("a")["freed"] == 1100 and ledger(g) == 0
 
 
+def test_nested_prefixes_charge_a_system_prompt_once_under_every_task(backend):
+    g = mkgate(backend, Clock())
+    g.write_snapshot(engines(cap=10_000))
+
+    def sample(session: str, task: str):
+        # a 200-token system prompt, then the task's 600 tokens on it; 200 own prompt tokens, 100 decode
+        return g.acquire(session, prompt_tokens=1000, max_new_tokens=100, prefix_key=["system", task],
+                         prefix_tokens=[200, 800])
+
+    sample("a1", "task-a")
+    assert ledger(g) == 200 + 600 + 300
+    sample("a2", "task-a")
+    sample("b1", "task-b")  # a new task: only its own 600 on the system prompt
+    assert ledger(g) == 200 + 2 * 600 + 3 * 300
+    assert _prefix(g, "system") == {"t": 200, "h": 3} and _prefix(g, "task-b") == {"t": 600, "h": 1}
+    assert stat(g, "group_admit") == 2 and stat(g, "prefix_saved") == 800 + 200
+    for s in ("a1", "a2"):
+        g.finish_session(s)
+    assert _prefix(g, "task-a") is None and _prefix(g, "system") == {"t": 200, "h": 1}
+    assert g.finish_session("b1")["freed"] == 300 + 600 + 200
+    assert ledger(g) == 0 and g.redis.hlen(g.key("prefixes")) == 0
+
+
 def test_a_session_whose_next_turn_names_another_prefix_moves_its_hold(backend):
     g = mkgate(backend, Clock())
     g.write_snapshot(engines(cap=10_000))
@@ -152,6 +177,14 @@ def test_a_session_whose_next_turn_names_another_prefix_moves_its_hold(backend):
     (dict(prefix_key="k", prefix_tokens=True), TypeError),
     (dict(prefix_key="k", prefix_tokens=-1), ValueError),
     (dict(prefix_key="k", prefix_tokens=101), ValueError),  # more than the prompt
+    (dict(prefix_key=["a", "b"], prefix_tokens=[10]), ValueError),        # nested: as many lengths as keys
+    (dict(prefix_key=["a", "a"], prefix_tokens=[10, 20]), ValueError),    # a key twice
+    (dict(prefix_key=["a", "b"], prefix_tokens=[20, 10]), ValueError),    # lengths grow level by level
+    (dict(prefix_key=["a", "b"], prefix_tokens=[0, 10]), ValueError),
+    (dict(prefix_key=list("abcde"), prefix_tokens=[1, 2, 3, 4, 5]), ValueError),  # at most 4 levels
+    (dict(prefix_key="a", prefix_tokens=[10]), TypeError),                # one value and a list
+    (dict(prefix_key=["a"], prefix_tokens=10), TypeError),
+    (dict(prefix_key=[1], prefix_tokens=[10]), TypeError),
 ])
 def test_sharing_arguments_are_checked_before_redis(driver, kw, err):
     g = driver.gate(clock=Clock())

@@ -312,25 +312,26 @@ class GateMachine(RuleBasedStateMachine):
         if s is None:
             return
         holders: dict[str, list] = {}
-        for t, l in s.leases.items():
-            if l.get("pk") is not None:
-                assert l["w"] == 0, f"a lease under a window holds a prefix of its own: {l}"
-                holders.setdefault(l["pk"], []).append(("lease", t, l))
-        for sess, w in s.windows.items():
-            if w.get("pk") is not None:
-                holders.setdefault(w["pk"], []).append(("window", sess, w))
+        for kind, recs in (("lease", s.leases), ("window", s.windows)):
+            for who, h in recs.items():
+                if h.get("pk") is None:
+                    continue
+                assert kind == "window" or h["w"] == 0, f"a lease under a window holds a prefix of its own: {h}"
+                assert len(h["pk"]) == len(h["ps"]) == len(set(h["pk"])) > 0, h
+                for k, ps in zip(h["pk"], h["ps"]):
+                    holders.setdefault(k, []).append((kind, who, ps))
         assert set(holders) == set(s.prefixes), (holders, s.prefixes)
         saved = 0
         for k, rec in s.prefixes.items():
             assert rec["h"] == len(holders[k]) and rec["t"] > 0, (k, rec, holders[k])
-            for kind, who, h in holders[k]:
-                assert 0 < h["ps"] <= rec["t"], (k, rec, kind, who, h)
-                saved += h["ps"]
+            for kind, who, ps in holders[k]:
+                assert 0 < ps <= rec["t"], (k, rec, kind, who, ps)
+                saved += ps
             saved -= rec["t"]
         for t, l in s.leases.items():
             if l["w"] == 0 and t in self.tickets:
                 info = self.tickets[t]
-                assert l["t"] + l.get("ps", 0) == info["need"], (t, l, info)
+                assert l["t"] + sum(l.get("ps", [])) == info["need"], (t, l, info)
         assert int(s.ledger.get("psaved", 0)) == saved, (s.ledger.get("psaved"), saved, s.prefixes)
 
     @invariant()
@@ -398,7 +399,8 @@ class GateMachine(RuleBasedStateMachine):
         stopped = not held and w is not None and w["st"] != "w"
         shared = {}
         if info.get("prefix") is not None:
-            shared = {"prefix_key": info["prefix"][0], "prefix_tokens": min(info["prefix"][1], info["need"])}
+            # as the client sends them: (key, leading tokens) levels, outermost first
+            shared = {"prefixes": [[k, t] for k, t in info["prefix"]]}
         out = self.call("acquire", ticket=ticket, session=info["session"], need=info["need"], prompt=info["need"],
                         protected=1 if info["protected"] else 0, retain=1 if info["retain"] else 0,
                         probe=probe, **shared)
@@ -469,10 +471,13 @@ class GateMachine(RuleBasedStateMachine):
     @rule(session=st.sampled_from(SESSIONS), need=st.integers(1, 1500), retain=st.booleans(),
           protected=st.sampled_from([False] * 9 + [True]),
           probe=st.one_of(st.just(None), st.floats(0.0, 1.0), st.sampled_from([0.0, 0.9, 1.0])),
-          prefix=st.sampled_from([None, None, ("p0", 200), ("p0", 600), ("p1", 400)]))
+          prefix=st.sampled_from([None, None, (("p0", 200),), (("p0", 600),), (("p1", 400),),
+                                  (("sys", 100), ("p0", 300)), (("sys", 100), ("p1", 500)), (("sys", 150),)]))
     def acquire_new(self, session, need, retain, protected, probe, prefix=None):
-        """``prefix``: (key, tokens) the turn shares with others (two keys, one declared at two
-        lengths: a later holder declaring more than the record charges gets what it charges)."""
+        """``prefix``: the (key, leading tokens) levels the turn shares with others, outermost
+        first: a system prompt under two tasks' prompts, and keys declared at two lengths (a
+        later holder declaring more than a record charges gets what it charges). The script
+        clamps them to the prompt (here the whole need)."""
         ticket = f"t{len(self.tickets):03d}"   # deterministic: Hypothesis replays draws by position
         self.tickets[ticket] = dict(session=session, need=need, retain=retain, protected=protected, prefix=prefix)
         if probe is None:
@@ -541,10 +546,10 @@ class GateMachine(RuleBasedStateMachine):
         t = pre.sw.get(session)
         stopped = t if t and pre.waiters.get(t, {}).get("st") == "w" else ""
         out = self.call("finish_session", session=session)
-        # the window's own charge, and its shared prefix's when it was the prefix's last holder
-        rec = pre.prefixes.get(win.get("pk")) if win and win.get("pk") is not None else None
-        freed = (win["t"] + (rec["t"] if rec is not None and rec["h"] == 1 else 0)) if win else 0
-        assert out["window"] == (1 if win else 0) and out["freed"] == freed, (out, win, rec)
+        # the window's own charge, and each shared prefix's it was the last holder of
+        recs = [pre.prefixes[k] for k in (win or {}).get("pk") or [] if k in pre.prefixes]
+        freed = (win["t"] + sum(r["t"] for r in recs if r["h"] == 1)) if win else 0
+        assert out["window"] == (1 if win else 0) and out["freed"] == freed, (out, win, recs)
         assert out["stopped"] == stopped, (out, stopped)
         assert session not in self.state.windows and session not in self.state.sw
 

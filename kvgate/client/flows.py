@@ -70,6 +70,9 @@ CLOSE_WARN_EVERY_S = 60.0
 MAX_TURN_TOKENS = 2**31 - 1
 #: the longest session id (it is part of Redis keys: ``:window:<session>``)
 MAX_SESSION_ID = 512
+#: the most nested shared prefixes a turn may name (a system prompt, a task's prompt, ...):
+#: each is a record the scripts read and write per turn
+MAX_PREFIX_LEVELS = 4
 
 
 # -- operations ------------------------------------------------------------------------------
@@ -250,8 +253,8 @@ class TurnRequest:
     timeout_s: float | None = None
     gap_s: float | None = None   # the session's time away since its last turn ended (this process saw it)
     prev_prompt_tokens: int | None = None  # the prompt of the session's last turn here (what the engines may still hold)
-    prefix_key: str | None = None  # the shared prefix the prompt starts with (None: nothing shared)
-    prefix_tokens: int = 0  # its length in tokens, at most the prompt's
+    # the shared prefixes the prompt starts with, outermost first: (key, leading tokens) each
+    prefixes: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -325,7 +328,7 @@ def build_request(cfg: GateConfig, session_id: Any, *, max_new_tokens: Any, prom
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                   or not math.isfinite(timeout_s) or timeout_s < 0):
         raise ValueError(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
-    check_prefix(prefix_key, prefix_tokens, n_prompt)
+    prefixes = check_prefixes(prefix_key, prefix_tokens, n_prompt)
     decode = max_new_tokens
     cap = cfg.effective("expected_decode_cap")  # never an unchecked cap (admission off)
     if cap is not None:
@@ -333,25 +336,46 @@ def build_request(cfg: GateConfig, session_id: Any, *, max_new_tokens: Any, prom
     return TurnRequest(session_id=session_id, ticket=ticket or new_ticket(), need=n_prompt + decode,
                        prompt_tokens=n_prompt, prompt_ids=prompt_ids, protected=bool(protected),
                        retain=bool(retain_session), scope=scope, turn_index=turn_index, timeout_s=timeout_s,
-                       prefix_key=prefix_key if prefix_tokens else None, prefix_tokens=prefix_tokens or 0)
+                       prefixes=prefixes)
 
 
-def check_prefix(prefix_key: Any, prefix_tokens: Any, n_prompt: int) -> None:
-    """The sharing arguments of a turn: both or neither; the key a non-empty str of at most
-    ``MAX_SESSION_ID`` characters (it names a record in Redis, as a session id does), the
-    length an int in [0, the prompt's tokens] (0: nothing shared)."""
+def check_prefixes(prefix_key: Any, prefix_tokens: Any, n_prompt: int) -> tuple[tuple[str, int], ...]:
+    """The sharing arguments of a turn, as (key, leading tokens) levels, outermost first (empty:
+    nothing shared). Both or neither; one prefix as a str and an int, or nested ones (a system
+    prompt, then a task's prompt that starts with it) as equally long sequences of at most
+    ``MAX_PREFIX_LEVELS``. A key is a name as a session id is (it names a record in Redis) and
+    appears once; the lengths are ints that grow level by level, up to the prompt's tokens. A
+    single length of 0 shares nothing."""
     if (prefix_key is None) != (prefix_tokens is None):
         raise ValueError("give both prefix_key (which prefix the prompt shares) and prefix_tokens (its length), "
                          "or neither")
     if prefix_key is None:
-        return
-    if not isinstance(prefix_key, str):
-        raise TypeError(f"prefix_key must be a str, got {type(prefix_key).__name__}")
-    _check_name("prefix_key", prefix_key)
-    if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int):
-        raise TypeError(f"prefix_tokens must be an int, got {type(prefix_tokens).__name__}")
-    if not 0 <= prefix_tokens <= n_prompt:
-        raise ValueError(f"prefix_tokens must be in [0, the prompt's {n_prompt} tokens], got {prefix_tokens}")
+        return ()
+    nested = isinstance(prefix_key, (list, tuple))
+    if not nested and not isinstance(prefix_key, str):
+        raise TypeError(f"prefix_key must be a str or a list of them, got {type(prefix_key).__name__}")
+    if nested != isinstance(prefix_tokens, (list, tuple)):
+        raise TypeError("prefix_key and prefix_tokens must both be one value or both be lists, got "
+                        f"{type(prefix_key).__name__} and {type(prefix_tokens).__name__}")
+    keys, toks = (list(prefix_key), list(prefix_tokens)) if nested else ([prefix_key], [prefix_tokens])
+    if nested and not 1 <= len(keys) == len(toks) <= MAX_PREFIX_LEVELS:
+        raise ValueError(f"prefix_key and prefix_tokens must be equally long, 1 to {MAX_PREFIX_LEVELS} levels, "
+                         f"got {len(keys)} and {len(toks)}")
+    for k in keys:
+        if not isinstance(k, str):
+            raise TypeError(f"prefix_key must be a str or a list of them, got {type(k).__name__}")
+        _check_name("prefix_key", k)
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"prefix_key names a prefix twice: {keys!r}")
+    below = 0 if nested else -1
+    for t in toks:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"prefix_tokens must be an int or a list of them, got {type(t).__name__}")
+        if not below < t <= n_prompt:
+            raise ValueError(f"prefix_tokens must grow level by level within the prompt's {n_prompt} tokens "
+                             f"(from 0), got {prefix_tokens!r}")
+        below = t
+    return tuple((k, t) for k, t in zip(keys, toks) if t > 0)
 
 
 def knob_params(cfg: GateConfig, channel: str) -> dict:
@@ -494,8 +518,8 @@ class GateFlows:
             params["gap"] = round(req.gap_s * 1000.0, 1)
         if req.prev_prompt_tokens is not None:
             params["prev_prompt"] = req.prev_prompt_tokens
-        if req.prefix_key is not None:
-            params["prefix_key"], params["prefix_tokens"] = req.prefix_key, req.prefix_tokens
+        if req.prefixes:
+            params["prefixes"] = [list(level) for level in req.prefixes]
         probe_default = params["probe"]
 
         def degraded() -> Decision:

@@ -71,7 +71,7 @@ local function advance(limit, snap)
       local win_mode = opens_window(w.r, snap.usage) and "open" or nil
       -- a sibling of a session whose shared prefix is charged costs only its own part: the
       -- siblings that wait right behind a group's head fit with it, and enter together
-      local pre = w.pk ~= nil and { k = w.pk, t = w.pt } or nil
+      local pre = waiter_prefixes(w)
       if block_reason(snap, cost(w.n, pre)) ~= nil then break end
       drop_waiter(head, w)
       grant(head, w.s, w.n, w.p, w.v or 0, "open", w.e, win_mode, true, pre)

@@ -154,14 +154,15 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
         history: list[int] = []
         sid = sess.session_id
         # what the session's prompts share with others, told to the gate (until a reset)
-        share = workload.shared_prefix(sess) if policy.share_prefix else None
+        levels = workload.shared_prefix(sess) if policy.share_prefix else ()
+        shared = {"prefix_key": [k for k, _ in levels], "prefix_tokens": [t for _, t in levels]} if levels else {}
         try:
             for idx, t in enumerate(sess.turns):
                 if t.gap_s > 0:
                     await asyncio.sleep(t.gap_s * time_scale)
                 if t.reset_to is not None:
                     history = turn_tokens(workload, sess, idx)
-                    share = None
+                    shared = {}
                 else:
                     history.extend(turn_tokens(workload, sess, idx))
                 ready = loop.time() - t0 if idx or first_ready is None else first_ready
@@ -169,8 +170,6 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
                 waited = 0.0
                 try:
                     if gate is not None:
-                        shared = {"prefix_key": share[0], "prefix_tokens": min(share[1], len(history))} \
-                            if share else {}
                         async with gate.turn(sid, prompt_ids=history, max_new_tokens=t.output_tokens,
                                              turn_index=idx, **shared) as lease:
                             start = loop.time() - t0

@@ -168,15 +168,17 @@ class Workload:
     spec: dict = field(default_factory=dict)
     system_tokens: int = 0
 
-    def shared_prefix(self, session: SessionSpec) -> tuple[str, int] | None:
-        """The prefix a session's prompts share with other sessions, as the gate is told it
-        (``prefix_key``, ``prefix_tokens``): its group's first prompt, else the system
-        prompt, else None. Holds until the session's context is reset."""
-        if session.group is not None and session.shared_tokens > 0:
-            return f"group:{session.group}", session.shared_tokens
+    def shared_prefix(self, session: SessionSpec) -> tuple[tuple[str, int], ...]:
+        """The prefixes a session's prompts share with other sessions, outermost first, as the
+        gate is told them (``prefix_key``, ``prefix_tokens``): the system prompt, then its
+        group's first prompt, which starts with it. Empty: none. Holds until the session's
+        context is reset."""
+        levels: list[tuple[str, int]] = []
         if self.system_tokens > 0:
-            return "system", self.system_tokens
-        return None
+            levels.append(("system", self.system_tokens))
+        if session.group is not None and session.shared_tokens > self.system_tokens:
+            levels.append((f"group:{session.group}", session.shared_tokens))
+        return tuple(levels)
 
     def distinct_prompt_tokens(self) -> int:
         """Fresh prompt tokens (:meth:`fresh_tokens`) with each shared prefix counted once:
