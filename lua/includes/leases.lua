@@ -4,9 +4,9 @@
   goes back), and the reap of expired ones. The record's fields: docs/keys.md#lease; its
   states: docs/state-machines.md#lease.
 
-  A holder's charge is its need less the part a shared prefix carries (prefixes.lua): a
-  lease charged on its own holds its turn's prefix, a lease under a window leaves it to the
-  window.
+  A holder's charge is its need less the parts its shared prefixes carry (prefixes.lua): a
+  lease charged on its own holds its turn's prefixes, a lease under a window leaves them to
+  the window.
 
   KEYS used: leases, lease_exp, ledger, windows, window_exp, window_order
   Knobs read: lease_ttl_ms, claim_ms (grant)
@@ -42,14 +42,15 @@ local function free_lease(ticket)
 end
 
 -- open a lease for a turn of `need` tokens, `prompt` of them its prompt, `prev` the prompt of
--- the session's last turn (0: none known), `pre` the prefix it shares (prefixes.lua
--- turn_prefix; nil: none); with `win_mode` the charge goes to the session's window:
+-- the session's last turn (0: none known), `pre` the prefixes it shares (levels, as
+-- prefixes.lua describes them; nil: none); with `win_mode` the charge goes to the session's
+-- window:
 --   "join"  the session owns a window: hold it (first holder re-sizes its charge)
 --   "open"  open (or keep) the window for this session (admitted under pressure)
 local function grant(ticket, session, need, prompt, prev, reason, enq_ms, win_mode, claim, pre)
   local l = { s = session, t = 0, w = 0, a = NOW, e = enq_ms or NOW, r = reason, ep = epoch(), c = 0 }
   -- what the engines should still hold of this prompt: the session's last prompt, when this
-  -- one extends it, or the shared prefix another holder keeps charged; the rest is new to
+  -- one extends it, or the shared prefixes other holders keep charged; the rest is new to
   -- them (the budget controller's re-prefill estimate, docs/budget.md)
   local reuse = 0
   if prev > 0 and prompt >= prev then reuse = prev end

@@ -69,7 +69,7 @@ local function advance(limit, snap)
       stat("dead_waiter")
     else
       local win_mode = opens_window(w.r, snap.usage) and "open" or nil
-      -- a sibling of a session whose shared prefix is charged costs only its own part: the
+      -- a sibling of a session whose shared prefixes are charged costs only its own part: the
       -- siblings that wait right behind a group's head fit with it, and enter together
       local pre = waiter_prefixes(w)
       if block_reason(snap, cost(w.n, pre)) ~= nil then break end
