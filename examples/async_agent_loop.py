@@ -34,14 +34,13 @@ import contextlib
 import json
 import random
 import sys
-import threading
 import time
 from collections import Counter, defaultdict
 
 import httpx
 
 import kvgate
-from _support import private_redis, say  # examples/_support.py
+from _support import private_redis, say, start_poller, wait_fresh  # examples/_support.py
 
 EXAMPLE_KNOBS = dict(max_wait_s=5.0, wait_poll_s=0.5, idle_grace_s=10.0)
 
@@ -152,15 +151,6 @@ class Agent:
                 self.stats["close_failures"] += res["close"]["failures"]
 
 
-async def wait_fresh(gate: kvgate.AsyncGate, wait_s: float) -> dict:
-    deadline = time.monotonic() + wait_s
-    while True:
-        st = await gate.status()
-        if not st["degraded"] or time.monotonic() > deadline:
-            return st
-        await asyncio.sleep(0.2)
-
-
 async def amain(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     with contextlib.ExitStack() as stack:
@@ -179,16 +169,8 @@ async def amain(args: argparse.Namespace) -> int:
         run_poller = args.poller if args.poller is not None else args.router is None
         if run_poller:
             # The poller is synchronous (its own event loop): run it on a thread with a sync Gate.
-            from kvgate.control.poller import Poller
             pgate = stack.enter_context(kvgate.Gate.from_url(redis_url, gate=args.gate, config=cfg))
-            poller = Poller(pgate, router=url, interval_s=0.5, leader_ttl_s=5.0)
-            th = threading.Thread(target=poller.run, name="kvgate-poller", daemon=True)
-            th.start()
-
-            def stop_poller() -> None:
-                poller.stop()
-                th.join(10)
-            stack.callback(stop_poller)
+            start_poller(stack, pgate, router=url)
 
         async with kvgate.AsyncGate.from_url(redis_url, gate=args.gate, config=cfg) as gate, \
                 httpx.AsyncClient(timeout=30.0, trust_env=False) as http:

@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 import kvgate
-from _support import private_redis, say  # examples/_support.py (a private redis-server, atomic lines)
+from _support import private_redis, say, start_poller  # examples/_support.py (a private redis-server, atomic lines, a poller thread)
 
 # Example defaults (environment KVGATE_* still wins): short waits so the demo stays short.
 EXAMPLE_KNOBS = dict(max_wait_s=5.0, wait_poll_s=0.5, idle_grace_s=10.0)
@@ -253,15 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         gate = stack.enter_context(kvgate.Gate.from_url(redis_url, gate=args.gate, config=cfg))
 
         if args.snapshots == "poller":
-            from kvgate.control.poller import Poller
-            poller = Poller(gate, router=router, engines=engines, interval_s=0.5, leader_ttl_s=5.0)
-            th = threading.Thread(target=poller.run, name="kvgate-poller", daemon=True)
-            th.start()
-
-            def stop_poller() -> None:
-                poller.stop()
-                th.join(10)
-            stack.callback(stop_poller)
+            start_poller(stack, gate, router=router, engines=engines)
         wait_s = args.snapshot_wait_s if args.snapshot_wait_s is not None else (
             300.0 if args.snapshots == "external" else 15.0)
         st = wait_for_snapshot(gate, wait_s)

@@ -20,6 +20,7 @@ PREFIX = "kvgate"
 SCRIPT_KEYS = (
     "ledger", "snapshot", "fifo", "waiters", "alive", "session_waiter", "leases",
     "lease_exp", "windows", "window_exp", "stats", "totals", "preempted", "window_order",
+    "prefixes",
 )
 
 _GATE_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")

@@ -5,13 +5,18 @@
   attempt preemption, rules 2, 3, 5, 6, 7, 8 and 9 (aging, probing, waiting).
 
   KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp,
-    windows, window_exp, stats, totals, preempted, window_order
+    windows, window_exp, stats, totals, preempted, window_order, prefixes
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
   ARGV[2] JSON object of named parameters:
     ticket (str, required): this attempt's id (a retry of a turn is a new ticket)
     session (str, required): the session (agent program) the turn belongs to
     need (tokens, required): what the turn reserves: its prompt plus its capped decode budget
     prompt (tokens, required): the prompt part of need
+    prefixes (list, optional): the prefixes this turn's prompt shares with other sessions'
+      (a system prompt, a GRPO task's prompt), outermost first, as [key, tokens] pairs: the
+      key names the prefix, tokens is how many leading tokens of the prompt it is (so they
+      grow level by level); each is charged to the ledger once while any holder of it is
+      (includes/prefixes.lua); absent: nothing shared
     protected (0/1, required): 1: protected work, bypasses at once (rule 2)
     retain (0/1, required): 1: an admission opens (or keeps) the session's ownership window
       where the features say so (windows.lua opens_window)
@@ -45,6 +50,20 @@
 
 local ticket, session, need, prompt = P.ticket, P.session, math.floor(P.need), math.floor(P.prompt)
 local prev = math.floor(num(OPT.prev_prompt, 0))
+-- the prefixes it shares, as levels {k = key, t = the tokens it adds to the level before},
+-- within its prompt, or nil: every fit test below reads its marginal cost
+-- (includes/prefixes.lua cost), read where it is used, as the reaps on the way may end a
+-- prefix's last other holder
+local pre = nil
+local below = 0
+for _, lv in ipairs(OPT.prefixes or {}) do
+  local upto = math.min(math.floor(num(lv[2], 0)), prompt)
+  if upto > below then
+    pre = pre or {}
+    pre[#pre + 1] = { k = tostring(lv[1]), t = upto - below }
+    below = upto
+  end
+end
 account()
 
 -- a new attempt may report how long its session was away since its last turn (the typical
@@ -157,7 +176,7 @@ local function admitted(reason, win_mode)
     enq = w.e
     drop_waiter(ticket, w)
   end
-  local g = grant(ticket, session, need, prompt, prev, reason, enq, win_mode, false)
+  local g = grant(ticket, session, need, prompt, prev, reason, enq, win_mode, false, pre)
   trim(snap, P.reap_batch)
   advance(P.reap_batch, snap)
   return out("admit", reason, { w = g.a - g.e, t = g.t })
@@ -175,7 +194,7 @@ if w then
 else
   older = redis.call("ZCARD", K.fifo) > 0
 end
-local blocked = block_reason(snap, need)
+local blocked = block_reason(snap, cost(need, pre))
 if not older and blocked == nil then
   return admitted("open", opens and "open" or nil)
 end
@@ -185,13 +204,13 @@ end
 -- not hand places to newcomers (it would only revoke someone else's)
 local win_mode = nil
 -- (with residency alone, only under pressure, as everywhere: opens_window)
-if opens and (P.admission ~= 1 or reserved() + need <= snap.ceiling) then win_mode = "open" end
+if opens and (P.admission ~= 1 or reserved() + cost(need, pre) <= snap.ceiling) then win_mode = "open" end
 local probe = P.probe
 local band = P.residency == 1 and (P.admission ~= 1 or snap.usage < P.pressure_threshold)
 
 if band then
   -- rule 7: the probe says this prompt's prefix is resident
-  if probe >= 0 and probe >= P.hit_threshold and (P.admission ~= 1 or reserved() + need <= snap.ceiling) then
+  if probe >= 0 and probe >= P.hit_threshold and (P.admission ~= 1 or reserved() + cost(need, pre) <= snap.ceiling) then
     return admitted("resident_prefix", win_mode)
   end
   -- rule 8: residency alone fails open when no probe answers (with admission on, a failed
@@ -223,11 +242,11 @@ end
 if aged_out() then
   if P.admission == 1 and P.residency == 1 then
     -- idle windows that have waited longest on their tools give way to it (docs/decisions.md)
-    evict_idle(snap, need, P.reap_batch)
+    evict_idle(snap, cost(need, pre), P.reap_batch)
   end
   return admitted("aged", opens and "open" or nil)
 end
-if band and probe == -1 and (P.admission ~= 1 or reserved() + need <= snap.ceiling) then
+if band and probe == -1 and (P.admission ~= 1 or reserved() + cost(need, pre) <= snap.ceiling) then
   -- rules 1-6 did not decide and a probe could: ask the caller to probe, then call again
   -- (with admission on, rule 7 needs room in the ledger: without it no answer could admit)
   -- a new attempt learns when it began (t0 on its next call), so that a newer attempt
@@ -237,6 +256,7 @@ end
 if not w then
   if seq == nil then seq = redis.call("HINCRBY", K.ledger, "seq", 1) end
   w = { s = session, n = need, p = prompt, v = prev, e = NOW, st = "w", r = P.retain }
+  if pre ~= nil then w.pk, w.pt = prefix_fields(pre) end
   if OPT.t0 ~= nil then w.b = num(OPT.t0, NOW) end  -- began before enqueueing (a probe round trip)
   jset(K.waiters, ticket, w)
   redis.call("ZADD", K.fifo, I(seq), ticket)
@@ -246,6 +266,8 @@ if not w then
 elseif w.n ~= need or w.p ~= prompt then
   w.n = need
   w.p = prompt
+  w.pk, w.pt = nil, nil
+  if pre ~= nil then w.pk, w.pt = prefix_fields(pre) end
   jset(K.waiters, ticket, w)
 end
 redis.call("ZADD", K.alive, I(NOW + P.alive_ms), ticket)

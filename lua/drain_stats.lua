@@ -2,7 +2,7 @@
   drain_stats.lua: read and reset the step window of counters (one rollout step), together
   with the ledger's current state, atomically.
 
-  KEYS used: ledger, snapshot, fifo, lease_exp, windows, stats, preempted
+  KEYS used: ledger, snapshot, fifo, lease_exp, windows, stats, preempted, prefixes
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
   ARGV[2] JSON object of named parameters:
     drain (0/1, required): 1: reset the step window; 0: a peek
@@ -12,7 +12,9 @@
     snapshot_age_ms (-1 when none), n_healthy, now, prefill_s_per_token, prefill_load
     (-1 when not measured), tool_gap_s (the typical time sessions spend between turns; -1
     before 8 samples), preempted_sessions, preempted_max (sessions with preempted attempts,
-    and the most one of them has; over at most 1,024 sessions, sampled beyond)}
+    and the most one of them has; over at most 1,024 sessions, sampled beyond), prefixes
+    (shared prefixes charged now), psaved (tokens the ledger would hold beyond reserved if
+    every holder were charged its shared prefix too)}
   Publishes: nothing.
   Errors: a required parameter that is missing (includes/common.lua).
 ]]
@@ -53,4 +55,5 @@ return cjson.encode({
   hit_rate = num(v[4], -1), snapshot_age_ms = age, n_healthy = num(v[5], 0), now = NOW,
   prefill_s_per_token = num(v[6], -1), prefill_load = num(v[7], -1), tool_gap_s = gap,
   preempted_sessions = pn, preempted_max = pmax,
+  prefixes = redis.call("HLEN", K.prefixes), psaved = num(redis.call("HGET", K.ledger, "psaved"), 0),
 })

@@ -4,7 +4,7 @@
   forgets its preemption count, and advances the FIFO.
 
   KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp,
-    windows, window_exp, stats, totals, preempted, window_order
+    windows, window_exp, stats, totals, preempted, window_order, prefixes
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
   ARGV[2] JSON object of named parameters:
     session (str, required): the session that is done
@@ -29,9 +29,11 @@ local s = P.session
 local res = { window = 0, freed = 0, stopped = "", num_preempted = num(redis.call("HGET", K.preempted, s), 0) }
 local win = jget(K.windows, s)
 if win then
+  -- its own charge, and its shared prefix's when it was the prefix's last holder
+  local before = reserved()
   end_window(s, win)
   res.window = 1
-  res.freed = win.t
+  res.freed = before - reserved()
 end
 local t = redis.call("HGET", K.session_waiter, s)
 if t then

@@ -4,7 +4,7 @@
   over-committed ledger (idle windows longest idle first), then advances the FIFO.
 
   KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp, windows,
-    window_exp, stats, totals, window_order, preempted
+    window_exp, stats, totals, window_order, preempted, prefixes
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
   ARGV[2] JSON object of named parameters:
     limit (count, required): the most items of each kind this call handles (in place of

@@ -17,7 +17,7 @@ from kvgate.tools.bench import cli as bench_cli
 from kvgate.tools.bench import runner
 from kvgate.tools.bench.scenarios import SCENARIOS, build_workload
 from kvgate.tools.bench.sweep import default_caps
-from kvgate.tools.bench.workload import parse_trace
+from kvgate.tools.bench.trace import parse_trace
 
 from conftest import free_port
 

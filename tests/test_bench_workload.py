@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from kvgate.tools.bench.workload import (IntRange, ToolLatency, WorkloadSpec, generate, load_trace, parse_range,
-                                   parse_trace, session_tokens)
+from kvgate.tools.bench.trace import load_trace, parse_trace
+from kvgate.tools.bench.workload import IntRange, ToolLatency, WorkloadSpec, generate, parse_range, session_tokens
 
 
 def test_same_seed_same_workload_and_tokens():

@@ -379,6 +379,29 @@ def test_async_agent_loop_cancelled_turns_leak_nothing(redis_url, tmp_path):
 
 
 @pytest.mark.redis_real
+@pytest.mark.parametrize("share", [True, False])
+def test_grpo_rollout_example(redis_url, tmp_path, share):
+    p = run_example("grpo_rollout", "--redis", redis_url, "--gate", f"grpo-{share}",
+                    *([] if share else ["--no-share"]), tmp_path=tmp_path)
+    assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
+    res = result_of(p)
+    assert res["ok"] and res["turns"] == res["expected_turns"] == 3 * 4 * 3 and res["finished_samples"] == 12
+    assert sum(v for k, v in res["outcomes"].items() if k.split("/")[0] in OUTCOMES) == res["turns"]
+    sharing = res["sharing"]
+    if share:
+        # the 512-token system prompt charged once, each task's 1,024 tokens on it once; every
+        # admission but the very first found a prefix charged already (the system prompt, and
+        # for the other three samples of each task their task's prompt too)
+        assert sharing["prefix_charged_tokens"] == 512 + 3 * 1024 and sharing["group_admit"] == 3 * 4 - 1
+        assert sharing["saved_tokens"] == 3 * 3 * 1536 + 2 * 512
+    else:
+        assert sharing["prefix_charged_tokens"] == 0 and sharing["group_admit"] == 0
+    assert res["first_turn_cached_tokens"] > 0, "siblings' first prompts hit the engine's prefix cache"
+    st = res["status"]
+    assert st == {"reserved": 0, "leases": 0, "windows": 0, "waiting": 0, "degraded": False, "prefixes": 0}
+
+
+@pytest.mark.redis_real
 def test_custom_probe_example(redis_url, tmp_path):
     p = run_example("custom_probe", "--redis", redis_url, tmp_path=tmp_path)
     assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
@@ -500,7 +523,7 @@ def test_sdist_holds_the_files_the_tests_read(tmp_path):
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
     for path in ("tests/test_examples.py", "tests/conftest.py", "docker/docker-compose.yml", "docker/Dockerfile",
                  "docker/Dockerfile.vllm", "docker/prometheus.yml", "examples/two_processes.py",
-                 "examples/_support.py", "examples/ray_actor.md", "scripts/setup-vllm-cpu.sh",
+                 "examples/_support.py", "examples/grpo_rollout.py", "examples/ray_actor.md", "scripts/setup-vllm-cpu.sh",
                  "benchmarks/real_vllm.py", "benchmarks/real_vllm.sh", "benchmarks/cpu_isa/sitecustomize.py",
                  "lua/acquire.lua", "kvgate/__init__.py", "README.md", "docs/knobs.md", "pyproject.toml"):
         assert path in names, f"{path} missing from the sdist"

@@ -4,7 +4,7 @@ against what the rendered script (includes inlined) really reads.
 The header format (BullMQ-style, see lua/includes/common.lua for the shared parts), one
 ``--[[ ... ]]`` block at the top of each file; section headings stand at two spaces::
 
-  KEYS used: ledger, fifo, ...            roles of kvgate.keys.SCRIPT_KEYS (all 14 are passed)
+  KEYS used: ledger, fifo, ...            roles of kvgate.keys.SCRIPT_KEYS (all 15 are passed)
   ARGV[1] now: ...                        scripts only: the clock
   ARGV[2] JSON object ...:                scripts only; entries at four spaces:
     name (type, required): meaning          read as P.name (a missing one is an error)

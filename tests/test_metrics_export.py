@@ -125,3 +125,23 @@ def test_a_release_with_a_null_turn_index_records_no_latency(backend, clock):
     # a JSON null is an absent parameter: no turn index, so no per-turn-index sample
     assert script(g, "release", ticket="A", latency_ms=5.0, turn_index=None)["released"] == 1
     assert not [f for f in g.redis.hkeys(g.key("totals")) if f.startswith(b"lat_")]
+
+
+def test_sharing_metrics(backend, clock):
+    # two samples of one task: its 800-token prompt charged once, the second admitted at its own part
+    g = mkgate(backend, clock, gate="mx")
+    g.write_snapshot(engines(cap=10_000))
+    for s in ("a", "b"):
+        g.acquire(s, prompt_tokens=1000, max_new_tokens=100, prefix_key="task", prefix_tokens=800)
+    m = g.step_metrics(drain=False)
+    assert (m["agentic_kv/sharing/prefix_charged_tokens"], m["agentic_kv/sharing/group_admit"],
+            m["agentic_kv/sharing/saved_tokens"]) == (800, 1, 800)
+    assert m["agentic_kv/sharing/prefixes"] == 1
+    assert (m["agentic_kv/budget/reserved"], m["agentic_kv/budget/reserved_unshared"]) == (1400, 2200)
+    text = scrape(g)
+    for line in ('kvgate_shared_prefixes{gate="mx"} 1.0', 'kvgate_reserved_unshared_tokens{gate="mx"} 2200.0',
+                 'kvgate_group_admissions_total{gate="mx"} 1.0', 'kvgate_prefix_charged_tokens_total{gate="mx"} 800.0',
+                 'kvgate_prefix_saved_tokens_total{gate="mx"} 800.0'):
+        assert line in text
+    assert g.step_metrics()["agentic_kv/sharing/group_admit"] == 1  # drained with the step
+    assert g.step_metrics()["agentic_kv/sharing/group_admit"] == 0

@@ -1,6 +1,6 @@
 """docs/keys.md#records is the one place the stored records' short field names are described:
-a run through every state of a waiter, a lease and a window writes exactly the fields it
-lists, no more and no fewer."""
+a run through every state of a waiter, a lease, a window and a shared prefix writes exactly
+the fields it lists, no more and no fewer."""
 from __future__ import annotations
 
 import json
@@ -31,7 +31,8 @@ def test_the_records_have_exactly_the_documented_fields(backend):
     seen: dict[str, set[str]] = defaultdict(set)
 
     def look():
-        for record, key in (("waiter", "waiters"), ("lease", "leases"), ("window", "windows")):
+        for record, key in (("waiter", "waiters"), ("lease", "leases"), ("window", "windows"),
+                            ("prefix", "prefixes")):
             for raw in g.redis.hvals(g.key(key)):
                 seen[record] |= set(json.loads(raw))
         for e in json.loads(g.redis.hget(g.key("snapshot"), "engines") or "[]"):
@@ -66,4 +67,11 @@ def test_the_records_have_exactly_the_documented_fields(backend):
     clock.advance(0.01)
     assert call("acquire", ticket="W2", session="w", need=10, probe=-1)["o"] == "probe"
     assert json.loads(g.redis.hget(g.key("waiters"), "W1")).keys() >= {"q", "b", "st"}
+    # a shared prefix held by a window and by a lease of its own, and a waiter that shares it
+    shared = dict(prefixes=[["task", 60]])
+    g.write_snapshot(engines(usage=0.1, cap=1000))
+    assert call("acquire", ticket="P1", session="p1", need=100, probe=-2, retain=1, **shared)["o"] == "admit"
+    assert call("acquire", ticket="P2", session="p2", need=100, probe=-2, **shared)["o"] == "admit"
+    assert call("acquire", ticket="P3", session="p3", need=990, probe=-2, **shared)["o"] == "wait"
+    assert json.loads(g.redis.hget(g.key("prefixes"), "task")) == {"t": 60, "h": 2}
     assert dict(seen) == documented()

@@ -9,8 +9,11 @@ staleness); the blocking turn flow is not involved, so each step is exactly one 
 transition. Before and after every step the whole gate state is read back from Redis and
 checked:
 
-- the ledger equals the own charges of live leases plus the charges of windows, never
-  goes negative, and ``ledger_clamped`` is never counted;
+- the ledger equals the own charges of live leases plus the charges of windows plus each
+  shared prefix once (its record, while any holder of it is charged), never goes negative,
+  and ``ledger_clamped`` is never counted; a prefix's holder count is the leases and windows
+  that hold it, a holder's own charge and shared part add up to its need, and the ledger's
+  ``psaved`` is what sharing saves (the holders' shared parts less the records' charges);
 - every grant is counted once (the ``admit`` counter moves by exactly the number of new
   leases), a ticket is never granted while it holds a lease, and a ticket the client saw
   admitted is only ever answered with that same lease (rule 4);
@@ -87,13 +90,15 @@ class GateState:
         p.hgetall(k("session_waiter"))
         p.hgetall(k("totals"))
         p.hgetall(k("snapshot"))
+        p.hgetall(k("prefixes"))
         has_order = "window_order" in kvkeys.SCRIPT_KEYS
         if has_order:
             p.zrange(k("window_order"), 0, -1, withscores=True)
         res = p.execute()
         (ledger, leases, lease_exp, windows, window_exp, waiters, fifo, alive, sw, totals,
-         snap) = res[:11]
-        self.window_order = dict(res[11]) if has_order else None
+         snap, prefixes) = res[:12]
+        self.window_order = dict(res[12]) if has_order else None
+        self.prefixes = {k: json.loads(v) for k, v in prefixes.items()}
         self.ledger = ledger
         self.reserved = int(ledger.get("reserved", 0))
         self.seq = int(ledger.get("seq", 0))
@@ -171,7 +176,7 @@ class GateMachine(RuleBasedStateMachine):
     def teardown(self):
         if self.state is not None:
             for f in ("window_revoked", "window_expired", "window_epoch_dropped", "lease_expired", "dead_waiter",
-                      "wait_granted", "preempted", "cancelled"):
+                      "wait_granted", "preempted", "cancelled", "group_admit", "prefix_charged"):
                 OUTCOMES["totals " + f] += self.state.total(f)
         if self.gate is not None:
             self.r.delete(*self.gate._keys)
@@ -291,11 +296,43 @@ class GateMachine(RuleBasedStateMachine):
             return
         own = sum(l["t"] for l in s.leases.values())
         win = sum(w["t"] for w in s.windows.values())
+        shared = sum(p["t"] for p in s.prefixes.values())
         assert s.reserved >= 0
-        assert s.reserved == own + win, (s.reserved, own, win, s.leases, s.windows)
+        assert s.reserved == own + win + shared, (s.reserved, own, win, shared, s.leases, s.windows, s.prefixes)
         assert all(l["t"] >= 0 for l in s.leases.values())
         assert all(w["t"] >= 0 for w in s.windows.values())
         assert s.total("ledger_clamped") == 0, "the ledger was clamped at zero (a double give-back)"
+
+    @invariant()
+    def shared_prefixes_charged_once(self):
+        """Each shared prefix is charged once, by its record, exactly while something holds it;
+        a holder (a lease with a charge of its own, or a window) is charged its need less its
+        shared part, which is at most what the record charges."""
+        s = self.state
+        if s is None:
+            return
+        holders: dict[str, list] = {}
+        for kind, recs in (("lease", s.leases), ("window", s.windows)):
+            for who, h in recs.items():
+                if h.get("pk") is None:
+                    continue
+                assert kind == "window" or h["w"] == 0, f"a lease under a window holds a prefix of its own: {h}"
+                assert len(h["pk"]) == len(h["ps"]) == len(set(h["pk"])) > 0, h
+                for k, ps in zip(h["pk"], h["ps"]):
+                    holders.setdefault(k, []).append((kind, who, ps))
+        assert set(holders) == set(s.prefixes), (holders, s.prefixes)
+        saved = 0
+        for k, rec in s.prefixes.items():
+            assert rec["h"] == len(holders[k]) and rec["t"] > 0, (k, rec, holders[k])
+            for kind, who, ps in holders[k]:
+                assert 0 < ps <= rec["t"], (k, rec, kind, who, ps)
+                saved += ps
+            saved -= rec["t"]
+        for t, l in s.leases.items():
+            if l["w"] == 0 and t in self.tickets:
+                info = self.tickets[t]
+                assert l["t"] + sum(l.get("ps", [])) == info["need"], (t, l, info)
+        assert int(s.ledger.get("psaved", 0)) == saved, (s.ledger.get("psaved"), saved, s.prefixes)
 
     @invariant()
     def leases_and_expiries_agree(self):
@@ -360,9 +397,13 @@ class GateMachine(RuleBasedStateMachine):
         held = lease is not None
         w = pre.waiters.get(ticket)
         stopped = not held and w is not None and w["st"] != "w"
+        shared = {}
+        if info.get("prefix") is not None:
+            # as the client sends them: (key, leading tokens) levels, outermost first
+            shared = {"prefixes": [[k, t] for k, t in info["prefix"]]}
         out = self.call("acquire", ticket=ticket, session=info["session"], need=info["need"], prompt=info["need"],
                         protected=1 if info["protected"] else 0, retain=1 if info["retain"] else 0,
-                        probe=probe)
+                        probe=probe, **shared)
         o = out["o"]
         if self.in_hypothesis:
             event(f"acquire -> {o} {out['r']}")
@@ -429,10 +470,16 @@ class GateMachine(RuleBasedStateMachine):
 
     @rule(session=st.sampled_from(SESSIONS), need=st.integers(1, 1500), retain=st.booleans(),
           protected=st.sampled_from([False] * 9 + [True]),
-          probe=st.one_of(st.just(None), st.floats(0.0, 1.0), st.sampled_from([0.0, 0.9, 1.0])))
-    def acquire_new(self, session, need, retain, protected, probe):
+          probe=st.one_of(st.just(None), st.floats(0.0, 1.0), st.sampled_from([0.0, 0.9, 1.0])),
+          prefix=st.sampled_from([None, None, (("p0", 200),), (("p0", 600),), (("p1", 400),),
+                                  (("sys", 100), ("p0", 300)), (("sys", 100), ("p1", 500)), (("sys", 150),)]))
+    def acquire_new(self, session, need, retain, protected, probe, prefix=None):
+        """``prefix``: the (key, leading tokens) levels the turn shares with others, outermost
+        first: a system prompt under two tasks' prompts, and keys declared at two lengths (a
+        later holder declaring more than a record charges gets what it charges). The script
+        clamps them to the prompt (here the whole need)."""
         ticket = f"t{len(self.tickets):03d}"   # deterministic: Hypothesis replays draws by position
-        self.tickets[ticket] = dict(session=session, need=need, retain=retain, protected=protected)
+        self.tickets[ticket] = dict(session=session, need=need, retain=retain, protected=protected, prefix=prefix)
         if probe is None:
             probe = -1 if self.has_probe else -2
         self.acquire(ticket, probe)
@@ -499,7 +546,10 @@ class GateMachine(RuleBasedStateMachine):
         t = pre.sw.get(session)
         stopped = t if t and pre.waiters.get(t, {}).get("st") == "w" else ""
         out = self.call("finish_session", session=session)
-        assert out["window"] == (1 if win else 0) and out["freed"] == (win["t"] if win else 0), (out, win)
+        # the window's own charge, and each shared prefix's it was the last holder of
+        recs = [pre.prefixes[k] for k in (win or {}).get("pk") or [] if k in pre.prefixes]
+        freed = (win["t"] + sum(r["t"] for r in recs if r["h"] == 1)) if win else 0
+        assert out["window"] == (1 if win else 0) and out["freed"] == freed, (out, win, recs)
         assert out["stopped"] == stopped, (out, stopped)
         assert session not in self.state.windows and session not in self.state.sw
 
@@ -557,6 +607,7 @@ class GateMachine(RuleBasedStateMachine):
         assert out["reserved"] == s.reserved and out["epoch"] == s.epoch
         assert out["leases"] == len(s.leases) and out["waiting"] == len(s.fifo)
         assert out["windows"] == len(s.windows)
+        assert out["prefixes"] == len(s.prefixes) and out["psaved"] == int(s.ledger.get("psaved", 0))
         scale = s.scale(self.now, int(self.cfg.staleness_s * 1000), self.cfg.budget_scale)
         assert out["budget_scale"] == pytest.approx(scale)
         assert out["ceiling"] == math.floor(int(s.snap.get("capacity", 0)) * self.cfg.headroom * scale)
@@ -583,8 +634,8 @@ def test_gate_state_machine(redis_url):
 
 def _run_steps(machine: GateMachine, steps) -> None:
     """Drive the model by hand (a fixed sequence) with every invariant checked after each step."""
-    checks = [machine.ledger_matches_leases_and_windows, machine.leases_and_expiries_agree,
-              machine.waiters_fifo_alive_agree, machine.windows_agree]
+    checks = [machine.ledger_matches_leases_and_windows, machine.shared_prefixes_charged_once,
+              machine.leases_and_expiries_agree, machine.waiters_fifo_alive_agree, machine.windows_agree]
     try:
         for step in steps:
             step()

@@ -159,8 +159,14 @@ class GateBase:
     def acquire(self, session_id: str, *, max_new_tokens: int, prompt_ids: Sequence[int] | None = None,
                 prompt_tokens: int | None = None, protected: bool = False, scope: str = "train",
                 retain_session: bool = True, abort_event: Any = None, turn_index: int | None = None,
-                timeout_s: float | None = None) -> Any:
+                timeout_s: float | None = None, prefix_key: str | None = None,
+                prefix_tokens: int | None = None) -> Any:
         """Decide one attempt of a turn; waits while the gate says so (bounded by ``max_wait_s``).
+
+        ``prefix_key`` and ``prefix_tokens`` (both or neither) say that the prompt's first
+        ``prefix_tokens`` tokens are a prefix other sessions send too (a GRPO task's prompt
+        its samples share, a system prompt), named ``prefix_key``: the ledger charges it once
+        while any holder of it is charged (docs/concepts.md#shared-prefixes).
 
         Returns a lease (admit / bypass / pass). Raises ``Preempted`` when a newer attempt of
         the session supersedes this one, ``AdmissionCancelled`` when ``abort_event`` is set,
@@ -173,7 +179,7 @@ class GateBase:
         flow = self._flows.acquire(session_id, has_probe=self._prober is not None, max_new_tokens=max_new_tokens,
                                    prompt_ids=prompt_ids, prompt_tokens=prompt_tokens, protected=protected,
                                    scope=scope, retain_session=retain_session, turn_index=turn_index,
-                                   timeout_s=timeout_s)
+                                   timeout_s=timeout_s, prefix_key=prefix_key, prefix_tokens=prefix_tokens)
         return self._run(flow, abort=abort_event, then=self._lease)
 
     def finish_session(self, session_id: str) -> Any:

@@ -73,6 +73,9 @@ WARN_EVERY_S = 60.0
 MAX_TURN_TOKENS = 2**31 - 1
 #: the longest session id (it is part of Redis keys: ``:window:<session>``)
 MAX_SESSION_ID = 512
+#: the most nested shared prefixes a turn may name (a system prompt, a task's prompt, ...):
+#: each is a record the scripts read and write per turn
+MAX_PREFIX_LEVELS = 4
 
 
 # -- operations ------------------------------------------------------------------------------
@@ -282,6 +285,8 @@ class TurnRequest:
     timeout_s: float | None = None
     gap_s: float | None = None   # the session's time away since its last turn ended (this process saw it)
     prev_prompt_tokens: int | None = None  # the prompt of the session's last turn here (what the engines may still hold)
+    # the shared prefixes the prompt starts with, outermost first: (key, leading tokens) each
+    prefixes: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -312,14 +317,19 @@ def check_session_id(session_id: Any) -> str:
     """The one rule for a session id, used by the gates, the close fan-out and the probes: a
     non-empty str of at most ``MAX_SESSION_ID`` characters that encodes as UTF-8 (a lone
     surrogate would make every script call for it fail)."""
-    if not isinstance(session_id, str) or not session_id or len(session_id) > MAX_SESSION_ID:
-        raise ValueError(f"session_id must be a non-empty string of at most {MAX_SESSION_ID} characters, "
-                         f"got {session_id!r}")
+    return _check_name("session_id", session_id)
+
+
+def _check_name(what: str, value: Any) -> str:
+    """A name that goes into Redis (a session id, a prefix key): a non-empty str of at most
+    ``MAX_SESSION_ID`` characters that encodes as UTF-8; ValueError naming ``what`` else."""
+    if not isinstance(value, str) or not value or len(value) > MAX_SESSION_ID:
+        raise ValueError(f"{what} must be a non-empty string of at most {MAX_SESSION_ID} characters, got {value!r}")
     try:
-        session_id.encode("utf-8")
+        value.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError(f"session_id must be valid Unicode (no lone surrogates), got {session_id!r}") from None
-    return session_id
+        raise ValueError(f"{what} must be valid Unicode (no lone surrogates), got {value!r}") from None
+    return value
 
 
 #: what a turn may say it is (``scope=``); the gate's config ``scope`` says which it gates
@@ -329,7 +339,7 @@ TURN_SCOPES = ("train", "eval")
 def build_request(cfg: GateConfig, session_id: Any, *, max_new_tokens: Any, prompt_ids: Sequence[int] | None = None,
                   prompt_tokens: int | None = None, protected: bool = False, scope: str = "train",
                   retain_session: bool = True, turn_index: int | None = None, timeout_s: float | None = None,
-                  ticket: str | None = None) -> TurnRequest:
+                  ticket: str | None = None, prefix_key: Any = None, prefix_tokens: Any = None) -> TurnRequest:
     """Validate a turn's arguments (before anything touches Redis) and size its reservation."""
     check_session_id(session_id)
     if (prompt_ids is None) == (prompt_tokens is None):
@@ -356,13 +366,54 @@ def build_request(cfg: GateConfig, session_id: Any, *, max_new_tokens: Any, prom
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                   or not math.isfinite(timeout_s) or timeout_s < 0):
         raise ValueError(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
+    prefixes = check_prefixes(prefix_key, prefix_tokens, n_prompt)
     decode = max_new_tokens
     cap = cfg.effective("expected_decode_cap")  # never an unchecked cap (admission off)
     if cap is not None:
         decode = min(decode, cap)
     return TurnRequest(session_id=session_id, ticket=ticket or new_ticket(), need=n_prompt + decode,
                        prompt_tokens=n_prompt, prompt_ids=prompt_ids, protected=bool(protected),
-                       retain=bool(retain_session), scope=scope, turn_index=turn_index, timeout_s=timeout_s)
+                       retain=bool(retain_session), scope=scope, turn_index=turn_index, timeout_s=timeout_s,
+                       prefixes=prefixes)
+
+
+def check_prefixes(prefix_key: Any, prefix_tokens: Any, n_prompt: int) -> tuple[tuple[str, int], ...]:
+    """The sharing arguments of a turn, as (key, leading tokens) levels, outermost first (empty:
+    nothing shared). Both or neither; one prefix as a str and an int, or nested ones (a system
+    prompt, then a task's prompt that starts with it) as equally long sequences of at most
+    ``MAX_PREFIX_LEVELS``. A key is a name as a session id is (it names a record in Redis) and
+    appears once; the lengths are ints that grow level by level, up to the prompt's tokens. A
+    single length of 0 shares nothing."""
+    if (prefix_key is None) != (prefix_tokens is None):
+        raise ValueError("give both prefix_key (which prefix the prompt shares) and prefix_tokens (its length), "
+                         "or neither")
+    if prefix_key is None:
+        return ()
+    nested = isinstance(prefix_key, (list, tuple))
+    if not nested and not isinstance(prefix_key, str):
+        raise TypeError(f"prefix_key must be a str or a list of them, got {type(prefix_key).__name__}")
+    if nested != isinstance(prefix_tokens, (list, tuple)):
+        raise TypeError("prefix_key and prefix_tokens must both be one value or both be lists, got "
+                        f"{type(prefix_key).__name__} and {type(prefix_tokens).__name__}")
+    keys, toks = (list(prefix_key), list(prefix_tokens)) if nested else ([prefix_key], [prefix_tokens])
+    if nested and not 1 <= len(keys) == len(toks) <= MAX_PREFIX_LEVELS:
+        raise ValueError(f"prefix_key and prefix_tokens must be equally long, 1 to {MAX_PREFIX_LEVELS} levels, "
+                         f"got {len(keys)} and {len(toks)}")
+    for k in keys:
+        if not isinstance(k, str):
+            raise TypeError(f"prefix_key must be a str or a list of them, got {type(k).__name__}")
+        _check_name("prefix_key", k)
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"prefix_key names a prefix twice: {keys!r}")
+    below = 0 if nested else -1
+    for t in toks:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"prefix_tokens must be an int or a list of them, got {type(t).__name__}")
+        if not below < t <= n_prompt:
+            raise ValueError(f"prefix_tokens must grow level by level within the prompt's {n_prompt} tokens "
+                             f"(from 0), got {prefix_tokens!r}")
+        below = t
+    return tuple((k, t) for k, t in zip(keys, toks) if t > 0)
 
 
 def knob_params(cfg: GateConfig, channel: str) -> dict:
@@ -506,6 +557,8 @@ class GateFlows:
             params["gap"] = round(req.gap_s * 1000.0, 1)
         if req.prev_prompt_tokens is not None:
             params["prev_prompt"] = req.prev_prompt_tokens
+        if req.prefixes:
+            params["prefixes"] = [list(level) for level in req.prefixes]
         probe_default = params["probe"]
 
         def degraded() -> Decision:

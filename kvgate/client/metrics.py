@@ -49,6 +49,12 @@ def build_step_metrics(raw: dict | None, config: Any, local: dict) -> dict[str, 
         m[P + f"admission/wait_{r}"] = _f(st, f"wait_{r}")
     for k in ("window_revoked", "window_yielded", "window_expired"):
         m[P + f"residency/{k}"] = _f(st, k)
+    # shared prefixes (docs/concepts.md#shared-prefixes): tokens charged once for a prefix
+    # its first holder brought, admissions that found their prefix charged already (a
+    # sibling's), and the tokens those were not charged again
+    m[P + "sharing/prefix_charged_tokens"] = _f(st, "prefix_charged")
+    m[P + "sharing/group_admit"] = _f(st, "group_admit")
+    m[P + "sharing/saved_tokens"] = _f(st, "prefix_saved")
     m[P + "admission/defer_rate"] = wait / total if total else 0.0
     m[P + "admission/degraded_rate"] = _f(st, "bypass_degraded") / total if total else 0.0
     granted = _f(st, "wait_granted")
@@ -65,6 +71,9 @@ def build_step_metrics(raw: dict | None, config: Any, local: dict) -> dict[str, 
         m[P + "budget/reserved"] = reserved
         m[P + "budget/available_tokens"] = max(0.0, ceiling - reserved)
         m[P + "budget/reserved_utilization"] = reserved / ceiling if ceiling else 0.0
+        # what the ledger would hold if every holder were charged its shared prefix too
+        m[P + "budget/reserved_unshared"] = reserved + float(raw.get("psaved", 0) or 0)
+        m[P + "sharing/prefixes"] = float(raw.get("prefixes", 0) or 0)
         m[P + "budget/lease_count"] = float(raw.get("leases", 0))
         m[P + "budget/window_count"] = float(raw.get("windows", 0))
         m[P + "budget/epoch"] = float(raw.get("epoch", 0))
@@ -137,6 +146,8 @@ def build_status(name: str, config: Any, raw: dict, engines_json: Any, head: lis
         "budget_scale": float(raw.get("budget_scale", 1) or 1),
         "preempted_sessions": int(raw.get("preempted_sessions", 0) or 0),
         "preempted_max": int(raw.get("preempted_max", 0) or 0),
+        "prefixes": int(raw.get("prefixes", 0) or 0),
+        "reserved_unshared": reserved + int(raw.get("psaved", 0) or 0),
         "engines": engines, "fifo_head": [txt(t) for t, _ in head],
         "totals": {txt(k): float(v) for k, v in totals.items()},
     }
@@ -185,6 +196,9 @@ class GateCollector:
              s.get("preempted_sessions", 0)),
             ("kvgate_preempted_max_per_session", "Most preempted attempts of one live session",
              s.get("preempted_max", 0)),
+            ("kvgate_shared_prefixes", "Shared prefixes charged once in the ledger now", s.get("prefixes", 0)),
+            ("kvgate_reserved_unshared_tokens", "Tokens the ledger would reserve if every holder were charged "
+             "its shared prefix too", s.get("reserved_unshared", s["reserved"])),
         ):
             g = GaugeMetricFamily(name, help_, labels=["gate"])
             g.add_metric(gate, float(val))
@@ -215,6 +229,11 @@ class GateCollector:
             ("kvgate_window_yielded", "window_yielded", "Idle windows ended to make room for an aged waiter"),
             ("kvgate_window_expired", "window_expired", "Ownership windows whose idle grace expired"),
             ("kvgate_epoch_bumps", "epoch_bumps", "Changes of the healthy engine set"),
+            ("kvgate_group_admissions", "group_admit", "Admissions whose shared prefix another holder had "
+             "charged already (a sibling's)"),
+            ("kvgate_prefix_charged_tokens", "prefix_charged", "Shared prefix tokens charged, once per prefix"),
+            ("kvgate_prefix_saved_tokens", "prefix_saved", "Tokens not charged again: the shared prefixes of "
+             "group admissions"),
         ):
             c = CounterMetricFamily(name, help_, labels=["gate"])
             v = t.get(field, 0.0)

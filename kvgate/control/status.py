@@ -94,6 +94,10 @@ def status_parts(status: Mapping, *, leader: str | None = None) -> tuple[list, l
         head.append(("budget scale", plain(f"{float(s['budget_scale']):.2f} x the pool's ceiling (docs/budget.md)")))
     head += [("fifo waiting", plain(s.get("waiting", 0))), ("leases", plain(s.get("leases", 0))),
              ("windows", plain(s.get("windows", 0)))]
+    if s.get("prefixes"):
+        # shared prefixes (docs/concepts.md#shared-prefixes): charged once, and what that saves
+        saved = (s.get("reserved_unshared") or reserved) - reserved
+        head.append(("shared prefixes", plain(f"{s['prefixes']} charged once; {fmt_tokens(saved)} not charged again")))
     if leader is not None:
         head.append(("poller leader", plain(leader) if leader else [("none", "red")]))
     fifo_head = s.get("fifo_head") or []

@@ -3,7 +3,7 @@
   (P, OPT), and small helpers: integers for Redis, JSON records in hashes, counters,
   publishing, the ledger's charge, the gate's progress, time accounting and the tool gap.
 
-  Every script is passed all 14 gate keys in KEYS, in this order (kvgate.keys.SCRIPT_KEYS),
+  Every script is passed all 15 gate keys in KEYS, in this order (kvgate.keys.SCRIPT_KEYS),
   all under the gate's {hash tag}, so a gate lives in one Redis Cluster slot; its header's
   KEYS used names the roles it touches. Their fields and the layout of the JSON records:
   docs/keys.md.
@@ -22,6 +22,7 @@
     totals (HASH): the same counters, never drained (Prometheus)
     preempted (HASH): session -> its preempted attempts (until finish_session)
     window_order (ZSET): session -> its window's id (opening order)
+    prefixes (HASH): shared prefix key -> its record (charged once while held)
 
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME); tests and the
     simulator inject it.
@@ -62,7 +63,7 @@ local K = {
   ledger = KEYS[1], snapshot = KEYS[2], fifo = KEYS[3], waiters = KEYS[4], alive = KEYS[5],
   session_waiter = KEYS[6], leases = KEYS[7], lease_exp = KEYS[8], windows = KEYS[9],
   window_exp = KEYS[10], stats = KEYS[11], totals = KEYS[12], preempted = KEYS[13],
-  window_order = KEYS[14],
+  window_order = KEYS[14], prefixes = KEYS[15],
 }
 
 local function now_ms()

@@ -4,11 +4,16 @@
   goes back), and the reap of expired ones. The record's fields: docs/keys.md#lease; its
   states: docs/state-machines.md#lease.
 
+  A holder's charge is its need less the parts its shared prefixes carry (prefixes.lua): a
+  lease charged on its own holds its turn's prefixes, a lease under a window leaves them to
+  the window.
+
   KEYS used: leases, lease_exp, ledger, windows, window_exp, window_order, preempted
   Knobs read: lease_ttl_ms, claim_ms (grant)
 ]]
 --@include common
 --@include windows
+--@include prefixes
 
 -- remove a lease and give back what it holds; returns the lease or nil
 local function free_lease(ticket)
@@ -32,50 +37,55 @@ local function free_lease(ticket)
     end
   end
   if l.t > 0 then charge(-l.t) end
+  drop_share(l)
   return l
 end
 
 -- open a lease for a turn of `need` tokens, `prompt` of them its prompt, `prev` the prompt of
--- the session's last turn (0: none known); with `win_mode` the charge goes to the session's
+-- the session's last turn (0: none known), `pre` the prefixes it shares (levels, as
+-- prefixes.lua describes them; nil: none); with `win_mode` the charge goes to the session's
 -- window:
 --   "join"  the session owns a window: hold it (first holder re-sizes its charge)
 --   "open"  open (or keep) the window for this session (admitted under pressure)
-local function grant(ticket, session, need, prompt, prev, reason, enq_ms, win_mode, claim)
-  local l = { s = session, t = need, w = 0, a = NOW, e = enq_ms or NOW, r = reason, ep = epoch(), c = 0 }
+local function grant(ticket, session, need, prompt, prev, reason, enq_ms, win_mode, claim, pre)
+  local l = { s = session, t = 0, w = 0, a = NOW, e = enq_ms or NOW, r = reason, ep = epoch(), c = 0 }
   -- what the engines should still hold of this prompt: the session's last prompt, when this
-  -- one extends it; the rest is new to them (the budget controller's re-prefill estimate,
-  -- docs/budget.md)
+  -- one extends it, or the shared prefixes other holders keep charged; the rest is new to
+  -- them (the budget controller's re-prefill estimate, docs/budget.md)
   local reuse = 0
   if prev > 0 and prompt >= prev then reuse = prev end
+  reuse = math.max(reuse, math.min(need - cost(need, pre), prompt))
   redis.call("HINCRBY", K.ledger, "tok_reusable", I(reuse))
   redis.call("HINCRBY", K.ledger, "tok_fresh", I(prompt - reuse))
   if win_mode ~= nil then
     local win = jget(K.windows, session)
     if win == nil then
-      win = { t = need, h = 1, ep = epoch(), x = 0, id = redis.call("HINCRBY", K.ledger, "wseq", 1) }
+      win = { t = 0, h = 1, ep = epoch(), x = 0, id = redis.call("HINCRBY", K.ledger, "wseq", 1) }
       redis.call("ZADD", K.window_order, I(win.id), session)
-      charge(need)
-      l.t = 0
+      take_share(win, pre, need)
+      charge(win.t)
       l.w = 1
     elseif win.h == 0 then
       -- the charge follows the session's latest turn both ways (a reset context shrinks it)
-      charge(need - win.t)
-      win.t = need
+      local before = win.t
+      take_share(win, pre, need)
+      charge(win.t - before)
       win.h = 1
       win.x = 0
       redis.call("ZREM", K.window_exp, session)
-      l.t = 0
       l.w = 1
     else
       -- a concurrent turn of the same session (a branch): charged on its own
-      charge(need)
+      take_share(l, pre, need)
+      charge(l.t)
     end
     if l.w == 1 then
       l.wid = win.id
       jset(K.windows, session, win)
     end
   else
-    charge(need)
+    take_share(l, pre, need)
+    charge(l.t)
   end
   local exp = NOW + P.lease_ttl_ms
   if claim then

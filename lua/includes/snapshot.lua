@@ -33,7 +33,8 @@ local function snapshot()
   return s
 end
 
--- why a turn of `need` tokens may not enter by rule 6 (nil: it fits). A turn larger than the
+-- why a turn that adds `need` tokens to the ledger (its marginal cost: prefixes.lua) may not
+-- enter by rule 6 (nil: it fits). A turn larger than the
 -- whole ceiling fits once nothing else is charged: else it could enter only by aging, and
 -- while other turns flow aging waits for max_wait_hard_s
 local function block_reason(snap, need)

@@ -77,9 +77,12 @@ local function advance(limit, snap)
       drop_dead_waiter(head, w)
     else
       local win_mode = opens_window(w.r, snap.usage) and "open" or nil
-      if block_reason(snap, w.n) ~= nil then break end
+      -- a sibling of a session whose shared prefixes are charged costs only its own part: the
+      -- siblings that wait right behind a group's head fit with it, and enter together
+      local pre = waiter_prefixes(w)
+      if block_reason(snap, cost(w.n, pre)) ~= nil then break end
       drop_waiter(head, w)
-      grant(head, w.s, w.n, w.p, w.v or 0, "open", w.e, win_mode, true)
+      grant(head, w.s, w.n, w.p, w.v or 0, "open", w.e, win_mode, true, pre)
       publish("g " .. head)
       granted = granted + 1
     end

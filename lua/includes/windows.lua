@@ -11,6 +11,7 @@
     high_watermark (opens_window)
 ]]
 --@include common
+--@include prefixes
 
 local function end_window(session, win)
   redis.call("HDEL", K.windows, session)
@@ -20,6 +21,7 @@ local function end_window(session, win)
   -- leases still running under it (finish_session mid-turn) hold no charge of their own,
   -- so their later release gives back nothing: the window's charge is returned once, here
   charge(-win.t)
+  drop_share(win)
 end
 
 -- idle window: start its grace; end it at once when grace is 0 or it was revoked

@@ -3,7 +3,7 @@
 See docs/benchmarks.md. Modules, in the order a run uses them:
 
 * :mod:`.flags` the command line; :mod:`.scenarios` the named scenarios and the workload a
-  run builds from one (:mod:`.workload`: seeded sessions, JSONL trace replay);
+  run builds from one (:mod:`.workload`: seeded sessions, :mod:`.trace`: JSONL trace replay);
 * :mod:`.preflight` every check before anything runs, and each scenario's plan;
   :mod:`.environments` the simulator or real engines (:mod:`.engines`: their HTTP clients);
 * :mod:`.policies` what is compared; :mod:`.sweep` the fixed-cap sweep and its widening;
@@ -13,6 +13,7 @@ See docs/benchmarks.md. Modules, in the order a run uses them:
   scenario's result; :mod:`.table`, :mod:`.plots`, :mod:`.matrix` the output;
 * :mod:`.cli` the entry point; :mod:`.host` the box; :mod:`.redis_embed` a private Redis.
 """
-from .workload import IntRange, ToolLatency, Workload, WorkloadSpec, generate, load_trace
+from .trace import load_trace
+from .workload import IntRange, ToolLatency, Workload, WorkloadSpec, generate
 
 __all__ = ["IntRange", "ToolLatency", "Workload", "WorkloadSpec", "generate", "load_trace"]

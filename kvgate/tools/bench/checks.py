@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .policies import FULL_GATE
+from .policies import FULL_GATE, NOSHARE_GATE
 from .summary import better_baseline, paired_ratio
 
 __all__ = ["checks", "lag_warnings", "round_lag_warnings", "LAG_P50_WARN_S", "WITHIN_BEST", "DEFAULT_VS_NONE",
-           "NO_PRESSURE_VS_NONE"]
+           "NO_PRESSURE_VS_NONE", "SHARE_VS_NOSHARE"]
 
 #: every scenario: kvgate's wall-clock at most this times the better of no gate and the best
 #: fixed cap (SPEC 4b: "within a few per cent of the better of no gate and the best fixed cap")
@@ -23,6 +23,9 @@ WITHIN_BEST = 1.05
 DEFAULT_VS_NONE = 0.6
 #: the `no-pressure` scenario (on the simulator): what the gate may cost where it cannot help
 NO_PRESSURE_VS_NONE = 1.03
+#: where the sessions share prefixes (GRPO groups, a system prompt) and the same gate ran without
+#: being told (``kvgate-noshare``): kvgate at most this times that run
+SHARE_VS_NOSHARE = 0.8
 
 
 def _pct_over(limit: float) -> str:
@@ -35,9 +38,10 @@ def checks(summary: dict, scenario: str | None, simulator: bool = True,
     scenario's, as in a trace replay), as (name, passed, detail).
 
     Every run: ``kvgate`` at most :data:`WITHIN_BEST` times the better of no gate and the
-    best fixed cap. On the simulator, ``default`` also: at most :data:`DEFAULT_VS_NONE` times
-    no gate and ahead of the best cap; ``no-pressure``: at most :data:`NO_PRESSURE_VS_NONE`
-    times no gate. ``caps_are_no_gate``: the sweep had no cap below the number of sessions
+    best fixed cap; where ``kvgate-noshare`` ran (the matrix runs it on the scenarios that
+    share prefixes), at most :data:`SHARE_VS_NOSHARE` times it. On the simulator, ``default``
+    also: at most :data:`DEFAULT_VS_NONE` times no gate and ahead of the best cap;
+    ``no-pressure``: at most :data:`NO_PRESSURE_VS_NONE` times no gate. ``caps_are_no_gate``: the sweep had no cap below the number of sessions
     (every session fits), so no gate is the best fixed cap.
 
     ``passed`` is None for a check that was not made because the policy it compares against
@@ -72,6 +76,13 @@ def checks(summary: dict, scenario: str | None, simulator: bool = True,
         base = better_baseline(summary)
         r = paired_ratio(gate, base)
         out.append((f"{title} ({base['policy']})", r is not None and r <= WITHIN_BEST, versus(base)))
+    noshare = rows.get(NOSHARE_GATE)
+    if noshare is not None:
+        # (its turns count too: a noshare run that lost turns did less work than kvgate)
+        r = paired_ratio(gate, noshare) if not noshare["errors"] else None
+        out.append((f"{FULL_GATE} at most {SHARE_VS_NOSHARE:g}x the same gate told nothing of shared prefixes "
+                    f"({NOSHARE_GATE})", r is not None and r <= SHARE_VS_NOSHARE,
+                    versus(noshare) if not noshare["errors"] else f"turns failed in {NOSHARE_GATE}"))
     if not simulator:
         return out
 

@@ -9,7 +9,8 @@ from kvgate.knob_flags import add_knob_arguments
 from .scenarios import SCENARIOS
 from .workload import parse_range
 
-__all__ = ["add_arguments", "build_parser", "DESCRIPTION", "DEFAULT_POLICIES", "MATRIX_POLICIES", "WORKLOAD_FLAGS",
+__all__ = ["add_arguments", "build_parser", "DESCRIPTION", "DEFAULT_POLICIES", "MATRIX_POLICIES", "matrix_policies",
+           "WORKLOAD_FLAGS",
            "SIM_FLAGS", "flag_name", "scenario_changes"]
 
 DESCRIPTION = "run one seeded agentic workload through several policies, side by side"
@@ -17,6 +18,15 @@ DESCRIPTION = "run one seeded agentic workload through several policies, side by
 DEFAULT_POLICIES = "none,cap,admission,residency,kvgate"
 #: the policies of every scenario of --matrix: what the targets compare (docs/benchmarks.md#checks)
 MATRIX_POLICIES = "none,cap,kvgate"
+
+
+def matrix_policies(sc: Any) -> str:
+    """The policies --matrix runs on scenario ``sc``: :data:`MATRIX_POLICIES`, and where its
+    sessions share prefixes the full gate told nothing of them, which sharing is judged against."""
+    from .policies import NOSHARE_GATE
+
+    shares = sc.group_size > 1 or sc.system_prompt > 0
+    return MATRIX_POLICIES + (f",{NOSHARE_GATE}" if shares else "")
 
 
 class _StoreGiven(argparse.Action):
@@ -50,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sc.add_argument("--tool-sigma", type=float, help="log-space spread of tool latency")
     sc.add_argument("--tool-max", type=float, help="tool timeout: latency cap, s")
     sc.add_argument("--arrival-spread", type=float, help="sessions arrive uniformly over this many s")
+    sc.add_argument("--group-size", type=int, help="samples per task (GRPO's n): each run of this many "
+                    "sessions sends one first prompt, then diverges; 1: no groups")
+    sc.add_argument("--system-prompt", type=int, help="leading tokens of every first prompt that are one "
+                    "system prompt, shared by all sessions")
     sc.add_argument("--vocab", type=int, help="token ids are drawn below this (default: the scenario's, "
                     "else the simulator profile's capped at 32000, else 32000; give the model's "
                     "vocabulary size for real engines)")
@@ -64,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pol = p.add_argument_group("policies")
     pol.add_argument("--policies",
                      help="comma list of none, cap (the cap sweep), cap-N, turncap-N, admission, residency, "
-                          "kvgate; a gate policy may set knobs of its own, e.g. 'kvgate[max_wait_s=600]' "
+                          "kvgate; a gate policy may set knobs of its own, e.g. 'kvgate[max_wait_s=600]', and "
+                          "with -noshare (kvgate-noshare) its turns do not say which prefixes they share "
                           f"(default: {DEFAULT_POLICIES}; with --matrix always {MATRIX_POLICIES})")
     pol.add_argument("--caps", help="caps to sweep for 'cap', e.g. 4,8,16 (default: derived from the pool: "
                                     "one, one and a half and two times the sessions whose final context fits, "
@@ -122,7 +137,8 @@ WORKLOAD_FLAGS = (("sessions", "sessions"), ("turns", "turns"), ("first_prompt",
                    ("tool_result", "tool_result"), ("output", "output"),
                    ("tool_fast_median", "tool.fast_median_s"), ("tool_slow_median", "tool.slow_median_s"),
                    ("tool_slow_frac", "tool.slow_frac"), ("tool_sigma", "tool.sigma"), ("tool_max", "tool.max_s"),
-                   ("arrival_spread", "arrival_spread_s"))
+                   ("arrival_spread", "arrival_spread_s"), ("group_size", "group_size"),
+                   ("system_prompt", "system_prompt"))
 #: the simulator's (ignored with --engine)
 SIM_FLAGS = (("profile", "profile"), ("sim_engines", "engines"), ("kv_capacity", "kv_capacity"))
 _RANGE_FLAGS = {"turns", "first_prompt", "tool_result", "output"}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .outcome import Outcome, outcome_record
-from .policies import FULL_GATE
+from .policies import FULL_GATE, NOSHARE_GATE
 from .summary import better_baseline, paired_ratio
 from .table import fmt_num, fmt_tok
 
@@ -20,7 +20,7 @@ __all__ = ["matrix_row", "render_matrix", "matrix_document"]
 def matrix_row(o: Outcome) -> dict:
     """The matrix's row of one scenario's outcome (None where a policy did not run)."""
     rows = {x["policy"]: x for x in o.summary["policies"]}
-    gate, none = rows.get(FULL_GATE), rows.get("none")
+    gate, none, noshare = rows.get(FULL_GATE), rows.get("none"), rows.get(NOSHARE_GATE)
     cap = rows.get(o.summary.get("best_cap") or "")
     base = better_baseline(o.summary)
     within = next((ok for name, ok, _ in o.verdicts if name.startswith(f"{FULL_GATE} within ")), None)
@@ -36,7 +36,9 @@ def matrix_row(o: Outcome) -> dict:
             "hit_rate": {k: pick(r, "hit_rate") for k, r in (("kvgate", gate), ("none", none), ("best_cap", cap))},
             "reprefill_tokens": {k: pick(r, "reprefill_tokens")
                                  for k, r in (("kvgate", gate), ("none", none), ("best_cap", cap))},
-            "caps": o.plan.sweep.caps, "modified": bool(o.changed)}
+            "caps": o.plan.sweep.caps, "modified": bool(o.changed),
+            # where the scenario shares prefixes: against the same gate told nothing of them (bench.json only)
+            **({"kvgate_vs_noshare": paired_ratio(gate, noshare)} if gate is not None and noshare is not None else {})}
 
 
 def render_matrix(rows: Sequence[dict], console: Any, rounds: int) -> None:

@@ -9,17 +9,26 @@
 * ``admission``  kvgate with ``GateConfig(admission=True, residency=False)``;
 * ``residency``  kvgate with ``GateConfig(admission=False, residency=True)`` and the HTTP probe;
 * ``kvgate``     both features, default knobs, HTTP probe;
-* ``kvgate[k=v,...]`` (any gate policy) with some knobs of its own.
+* ``kvgate[k=v,...]`` (any gate policy) with some knobs of its own;
+* ``kvgate-noshare`` (any gate policy, with or without knobs: ``admission-noshare[...]``)
+  the same gate, but the workload does not tell it which prefixes sessions share: every
+  session is charged its whole prompt, as a caller that passes no ``prefix_key`` is. A
+  switch of the bench, not a knob of the gate.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from typing import Any, Sequence
 
-__all__ = ["Policy", "parse_policies", "split_policies", "scaled_gate_config", "GATE_POLICIES", "FULL_GATE"]
+__all__ = ["Policy", "parse_policies", "split_policies", "scaled_gate_config", "GATE_POLICIES", "FULL_GATE",
+           "NOSHARE", "NOSHARE_GATE"]
 
 #: the full gate with default knobs: the policy every target is judged on
 FULL_GATE = "kvgate"
+#: the suffix of a gate policy whose turns do not say which prefix they share
+NOSHARE = "-noshare"
+#: the full gate told nothing of shared prefixes: what sharing is judged against
+NOSHARE_GATE = FULL_GATE + NOSHARE
 
 GATE_POLICIES = {
     "admission": (True, False),
@@ -36,6 +45,7 @@ class Policy:
     admission: bool = False
     residency: bool = False
     knobs: tuple = ()  # (name, value) GateConfig overrides of this policy only
+    share_prefix: bool = True  # gate policies: turns say which prefix they share (prefix_key)
 
 
 def split_policies(text: str) -> list[str]:
@@ -96,14 +106,22 @@ def parse_policies(text: str | Sequence[str], caps: Sequence[int]) -> list[Polic
         name = raw.strip()
         if not name:
             continue
-        if "[" in name:
-            base, _, rest = name.partition("[")
-            if not rest.endswith("]") or base.strip() not in GATE_POLICIES:
+        base, bracket, rest = name.partition("[")
+        base = base.strip()
+        share = not base.endswith(NOSHARE)
+        if not share:
+            base = base[:-len(NOSHARE)]
+        if bracket:
+            if not rest.endswith("]") or base not in GATE_POLICIES:
                 raise ValueError(f"bad policy {name!r}: knobs in [...] follow a gate policy "
-                                 f"(admission, residency, kvgate) and close the name")
-            adm, res = GATE_POLICIES[base.strip()]
+                                 f"(admission, residency, kvgate, each also with -noshare) and close the name")
+            adm, res = GATE_POLICIES[base]
             out.append(Policy(name, "gate", admission=adm, residency=res,
-                              knobs=_policy_knobs(name, rest[:-1])))
+                              knobs=_policy_knobs(name, rest[:-1]), share_prefix=share))
+            continue
+        if not share and base in GATE_POLICIES:
+            adm, res = GATE_POLICIES[base]
+            out.append(Policy(name, "gate", admission=adm, residency=res, share_prefix=False))
             continue
         if name == "none":
             out.append(Policy("none", "none"))
@@ -125,7 +143,7 @@ def parse_policies(text: str | Sequence[str], caps: Sequence[int]) -> list[Polic
             out.append(Policy(name, "gate", admission=adm, residency=res))
         else:
             raise ValueError(f"unknown policy {name!r}: use none, cap, cap-N, turncap-N, "
-                             f"admission, residency, kvgate")
+                             f"admission, residency, kvgate (a gate policy also with {NOSHARE})")
     if not out:
         raise ValueError("no policies given")
     names = [p.name for p in out]

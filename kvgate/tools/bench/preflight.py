@@ -23,7 +23,7 @@ from kvgate.knob_flags import config_from_args
 
 from .engines import make_client
 from .environments import EngineEnv, RealEnv, SimEnv
-from .flags import DEFAULT_POLICIES, MATRIX_POLICIES, SIM_FLAGS, WORKLOAD_FLAGS, flag_name
+from .flags import DEFAULT_POLICIES, MATRIX_POLICIES, SIM_FLAGS, WORKLOAD_FLAGS, flag_name, matrix_policies
 from .policies import Policy, parse_policies, scaled_gate_config, split_policies
 from .scenarios import SCENARIOS, Scenario, build_workload
 from .sweep import CapSweep, default_caps, parse_caps
@@ -80,7 +80,7 @@ def prepare(args: argparse.Namespace, probe: bool) -> list[Plan]:
     check_out_dir(args.out, plots=not args.no_plots and not args.matrix)
     base_cfg = base_gate_config(args)  # validated even when no gate policy runs: bad flags are errors
     if args.matrix:
-        plans = [_plan(args, name, MATRIX_POLICIES, base_cfg) for name in matrix_scenarios(args)]
+        plans = [_plan(args, name, matrix_policies(SCENARIOS[name]), base_cfg) for name in matrix_scenarios(args)]
     else:
         plans = [_plan(args, args.scenario, args.policies or DEFAULT_POLICIES, base_cfg)]
     if probe:

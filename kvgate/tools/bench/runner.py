@@ -16,7 +16,7 @@ from .engines import Counters, EngineClient
 # _start_poller, _stop_poller: tests/test_poller.py drives the bench's poller start from here
 from .gates import _start_poller, _stop_poller, gate_for, maybe_await  # noqa: F401
 from .policies import Policy
-from .workload import Workload, session_tokens
+from .workload import Workload, session_tokens, turn_tokens
 from ..._aio import wait_for
 
 __all__ = ["TurnRecord", "PolicyResult", "run_policy", "default_step_timeout"]
@@ -153,21 +153,25 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
         # this body ran (a cap's slot), so that wait counts in the turn's latency
         history: list[int] = []
         sid = sess.session_id
+        # what the session's prompts share with others, told to the gate (until a reset)
+        levels = workload.shared_prefix(sess) if policy.share_prefix else ()
+        shared = {"prefix_key": [k for k, _ in levels], "prefix_tokens": [t for _, t in levels]} if levels else {}
         try:
             for idx, t in enumerate(sess.turns):
                 if t.gap_s > 0:
                     await asyncio.sleep(t.gap_s * time_scale)
                 if t.reset_to is not None:
-                    history = session_tokens(workload, sid, t.turn, t.reset_to)
+                    history = turn_tokens(workload, sess, idx)
+                    shared = {}
                 else:
-                    history.extend(session_tokens(workload, sid, t.turn, t.new_tokens))
+                    history.extend(turn_tokens(workload, sess, idx))
                 ready = loop.time() - t0 if idx or first_ready is None else first_ready
                 outcome = reason = ""
                 waited = 0.0
                 try:
                     if gate is not None:
                         async with gate.turn(sid, prompt_ids=history, max_new_tokens=t.output_tokens,
-                                             turn_index=idx) as lease:
+                                             turn_index=idx, **shared) as lease:
                             start = loop.time() - t0
                             res = await client.generate(sid, history, t.output_tokens)
                             outcome = str(getattr(lease, "outcome", "") or "")

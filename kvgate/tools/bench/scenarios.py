@@ -11,7 +11,8 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from .workload import VOCAB_DEFAULT, ToolLatency, Workload, WorkloadSpec, generate, load_trace, parse_range
+from .trace import load_trace
+from .workload import VOCAB_DEFAULT, ToolLatency, Workload, WorkloadSpec, generate, parse_range
 
 __all__ = ["Scenario", "SCENARIOS", "build_workload", "workload_vocab"]
 
@@ -33,6 +34,8 @@ class Scenario:
     arrival_spread_s: float = 0.0
     tool: ToolLatency = ToolLatency()
     vocab: int | None = None  # token ids are drawn below this (None: the engine's, capped)
+    group_size: int = 1  # samples per task (GRPO's n): its samples send one first prompt
+    system_prompt: int = 0  # leading tokens of every first prompt that are one system prompt
 
 
 # The CPU vLLM measurements of ENGINES.md: one lognormal, median 0.2 s, p90 1.5 s.
@@ -100,6 +103,22 @@ SCENARIOS: dict[str, Scenario] = {
         description="KV pressure with sessions arriving over 120 s: 48 default-shaped sessions",
         profile="gpu-h100-30b", sessions=48, turns="16-32", first_prompt="1500-2500",
         tool_result="100-400", output="30-120", time_scale=0.02, arrival_spread_s=120.0),
+    # GRPO: n samples of every task, each re-sending the task's prompt, every session starting
+    # with the same system prompt. The engines' prefix caches store a shared prefix once; a
+    # ledger that charged it per session would think the pool 8x fuller than it is at the start.
+    # The default scenario's turns and tools, the first prompt a 2k system prompt and a 4k task.
+    "grpo": Scenario(
+        description="GRPO groups: 8 tasks x 8 samples, a 6k first prompt per task (2k of it one system "
+                    "prompt), default turns and tools",
+        profile="gpu-h100-30b", sessions=64, turns="8-16", first_prompt="6144", tool_result="100-400",
+        output="30-120", time_scale=0.02, group_size=8, system_prompt=2048),
+    # The same groups with trace-sized histories (long-context's tool results and outputs): the
+    # sessions' own parts come to outweigh the shared prefix as they grow.
+    "grpo-long": Scenario(
+        description="GRPO groups with trace-sized histories: 4 tasks x 8 samples, a 10k first prompt "
+                    "(2k system), sessions ending at ~22k tokens",
+        profile="gpu-h100-30b", sessions=32, turns="12-24", first_prompt="10240", tool_result="300-800",
+        output="50-150", time_scale=0.02, group_size=8, system_prompt=2048),
 }
 
 
@@ -139,5 +158,7 @@ def build_workload(args: argparse.Namespace, sc: Scenario) -> Workload:
         output=parse_range(args.output or sc.output, name="--output", minimum=1),
         tool=tool,
         arrival_spread_s=args.arrival_spread if args.arrival_spread is not None else sc.arrival_spread_s,
-        vocab=vocab)
+        vocab=vocab,
+        group_size=args.group_size if args.group_size is not None else sc.group_size,
+        system_prompt=args.system_prompt if args.system_prompt is not None else sc.system_prompt)
     return generate(spec, seed=args.seed)

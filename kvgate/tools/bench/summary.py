@@ -48,10 +48,42 @@ def _reusable(prev: Any, t: Any, block: int) -> int:
                (t.prompt_tokens - 1) // block) * block
 
 
-def _unavoidable_tokens(turns: Sequence[Any], block: int, resets: Any = frozenset()) -> int:
+def _shared_seen(turns: Sequence[Any], workload: Workload | None) -> dict[str, int]:
+    """Session -> the leading tokens of its first prompt that another session's first turn sent
+    before it started: its group's shared prompt when a sibling came first, else the system
+    prompt when anyone did (workload.py ``turn_tokens``: those ids are identical)."""
+    if workload is None:
+        return {}
+    info = {s.session_id: s for s in workload.sessions}
+    firsts = sorted((ts[0] for ts in _by_session(turns).values() if ts[0].turn == 0), key=lambda t: t.start_s)
+    groups: set[str] = set()
+    out: dict[str, int] = {}
+    for k, t in enumerate(firsts):
+        s = info.get(t.session)
+        if s is None:
+            continue
+        seen = s.shared_tokens if s.group is not None and s.group in groups else (workload.system_tokens if k else 0)
+        if seen > 0:
+            out[t.session] = seen
+        if s.group is not None:
+            groups.add(s.group)
+    return out
+
+
+def _first_seen(t: Any, shared: dict[str, int], block: int | None) -> int:
+    """Of a first turn's prompt, what a cache that kept everything could have served from the
+    sessions that came before it (:func:`_shared_seen`): whole blocks, at most ``input - 1``."""
+    n = min(shared.get(t.session, 0), t.prompt_tokens - 1)
+    return (n // block) * block if block else max(n, 0)
+
+
+def _unavoidable_tokens(turns: Sequence[Any], block: int, resets: Any = frozenset(),
+                        shared: dict[str, int] | None = None) -> int:
     """Prompt tokens no cache could have served, turn by turn, from the turn records: a first
-    turn's (or a reset's) whole prompt; a continuation's prompt minus :func:`_reusable` from the
-    session's previous record (the last one that reached the engine, when a turn failed)."""
+    turn's (or a reset's) whole prompt, less the prefix it shares with a session that came
+    first (``shared``: :func:`_shared_seen`); a continuation's prompt minus :func:`_reusable`
+    from the session's previous record (the last one that reached the engine, when a turn
+    failed)."""
     n = 0
     for ts in _by_session(turns).values():
         prev = None
@@ -59,7 +91,7 @@ def _unavoidable_tokens(turns: Sequence[Any], block: int, resets: Any = frozense
             if prev is not None and _continues(prev, t, resets):
                 n += t.prompt_tokens - _reusable(prev, t, block)
             else:
-                n += t.prompt_tokens
+                n += t.prompt_tokens - (_first_seen(t, shared, block) if shared and prev is None else 0)
             prev = t
     return n
 
@@ -70,10 +102,10 @@ def summarize(results: Sequence[PolicyResult], workload: Workload, block_size: i
     ``block_size``: the engines' KV block (page) size, when known. Re-prefill is then the
     uncached tokens beyond those a cache that kept everything could not have served, turn by
     turn (:func:`_unavoidable_tokens`: engines reuse whole blocks only); without it, the
-    uncached tokens beyond the workload's fresh tokens (first prompts, tool results), which
-    also counts each turn's partial last block (``reprefill_tokens_beyond_fresh``, always in
-    the row)."""
-    fresh = workload.fresh_tokens()
+    uncached tokens beyond the workload's fresh tokens (first prompts with each shared prefix
+    once, tool results), which also counts each turn's partial last block
+    (``reprefill_tokens_beyond_fresh``, always in the row)."""
+    fresh = workload.distinct_prompt_tokens()
     block = block_size if block_size and block_size > 0 else None
     resets = {(s.session_id, i) for s in workload.sessions for i, t in enumerate(s.turns)
               if t.reset_to is not None}
@@ -103,7 +135,8 @@ def summarize(results: Sequence[PolicyResult], workload: Workload, block_size: i
         waits = [t.waited_s for t in r.turns if t.waited_s > 0]
         preempt = sum(v for k, v in r.step_metrics.items()
                       if _is_attempt_preemption(k) and isinstance(v, (int, float)) and not isinstance(v, bool))
-        unavoidable = _unavoidable_tokens(r.turns, block, resets) if block else fresh
+        shared = _shared_seen(r.turns, workload)
+        unavoidable = _unavoidable_tokens(r.turns, block, resets, shared) if block else fresh
         rows.append({
             "policy": r.policy.name,
             "kind": r.policy.kind,
@@ -133,7 +166,7 @@ def summarize(results: Sequence[PolicyResult], workload: Workload, block_size: i
             "usage_over_time": [(round(t, 3), round(u, 4)) for t, u in r.usage_samples],
             "gate_over_time": r.gate_samples,
             "idle_while_waiting": _idle_while_waiting(r.gate_samples),
-            "reprefill_by_admission": _reprefill_by_admission(r.turns, block, resets),
+            "reprefill_by_admission": _reprefill_by_admission(r.turns, block, resets, shared),
             "sessions": _session_rows(r.turns, n_turns_sess),
             "loop_lag_s": {"p50": _pct(r.loop_lags, 0.5), "p99": _pct(r.loop_lags, 0.99),
                            "max": max(r.loop_lags) if r.loop_lags else None, "n": len(r.loop_lags)},
@@ -247,12 +280,14 @@ def straggler(policy_row: dict) -> dict | None:
 
 
 def _reprefill_by_admission(turns: Sequence[Any], block: int | None = None,
-                            resets: Any = frozenset()) -> dict[str, dict[str, int]] | None:
+                            resets: Any = frozenset(),
+                            shared: dict[str, int] | None = None) -> dict[str, dict[str, int]] | None:
     """Which admissions paid for the re-prefill: per admission (``admit/aged``, ``-`` for an
     ungated turn), the turns and the prompt tokens the engine computed although it had seen
     them before. Read from the responses' ``cached_tokens``, turn by turn: a turn's new tokens
     are its prompt minus the previous turn's prompt and output (its whole prompt for a first
-    turn or a reset context); whatever else was not cached is re-prefill. With the block size
+    turn or a reset context, less the prefix it shares with a session that came first:
+    ``shared``); whatever else was not cached is re-prefill. With the block size
     known, only what a cache that kept everything could have served counts as seen
     (:func:`_reusable`: whole blocks, at most ``input - 1`` tokens). ``None`` when the engines
     report no ``cached_tokens``."""
@@ -261,7 +296,7 @@ def _reprefill_by_admission(turns: Sequence[Any], block: int | None = None,
     for ts in _by_session(turns).values():
         prev = None
         for t in ts:
-            seen_before = 0
+            seen_before = _first_seen(t, shared, block) if shared and prev is None else 0
             if prev is not None and t.turn == prev.turn + 1:
                 seen_before = prev.prompt_tokens + prev.output_tokens
                 if t.prompt_tokens < seen_before or (t.session, t.turn) in resets:

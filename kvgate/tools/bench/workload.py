@@ -1,4 +1,4 @@
-"""Agentic rollout workloads: seeded synthetic sessions and JSONL trace replay.
+"""Agentic rollout workloads: seeded synthetic sessions (JSONL trace replay: :mod:`.trace`).
 
 A workload is a tuple of sessions; a session is a tuple of turns.  Every turn re-sends
 the whole history (all previous prompts and outputs) plus the new tokens of this turn
@@ -8,35 +8,25 @@ offset from the start of the step, afterwards the tool call's latency.  Times ar
 unscaled; the runner multiplies them by ``--time-scale``.
 
 Token ids are derived from (seed, session id) alone, so the same workload sends the same
-tokens to every policy and every run.  Outputs are whatever the engine returns
+tokens to every policy and every run.  Shared prefixes are the exception, by design: the
+first ``system_tokens`` of every first prompt are one system prompt, and the first
+``shared_tokens`` of a grouped session's first prompt are its group's (GRPO-style: n samples
+of one task send the same task prompt, then diverge), drawn from (seed, group) alone, so an
+engine's prefix cache stores them once.  Outputs are whatever the engine returns
 (``output_ids``); the runner appends them to the history, so the next turn's prompt is a
 true extension of what the engine has cached.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import random
 from array import array
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
-__all__ = [
-    "IntRange",
-    "ToolLatency",
-    "TurnSpec",
-    "SessionSpec",
-    "Workload",
-    "WorkloadSpec",
-    "generate",
-    "load_trace",
-    "parse_range",
-    "MAX_REQUEST_TOKENS",
-    "MAX_GAP_S",
-    "session_tokens",
-]
+__all__ = ["IntRange", "ToolLatency", "TurnSpec", "SessionSpec", "Workload", "WorkloadSpec", "generate",
+           "parse_range", "MAX_REQUEST_TOKENS", "MAX_GAP_S", "session_tokens", "turn_tokens"]
 
 VOCAB_DEFAULT = 32000
 
@@ -152,8 +142,14 @@ class TurnSpec:
 
 @dataclass(frozen=True)
 class SessionSpec:
+    """A session's turns; ``group`` names the task it samples (GRPO: the n samples of a task
+    are a group), whose first ``shared_tokens`` tokens of the first prompt its siblings send
+    too (the workload's system prompt included)."""
+
     session_id: str
     turns: tuple[TurnSpec, ...]
+    group: str | None = None
+    shared_tokens: int = 0
 
     @property
     def start_s(self) -> float:
@@ -162,13 +158,46 @@ class SessionSpec:
 
 @dataclass(frozen=True)
 class Workload:
-    """Sessions plus the seed that fixes their token ids."""
+    """Sessions plus the seed that fixes their token ids; every session's first prompt starts
+    with the same ``system_tokens`` (a system prompt and tool schema)."""
 
     sessions: tuple[SessionSpec, ...]
     seed: int = 0
     vocab: int = VOCAB_DEFAULT
     source: str = "synthetic"
     spec: dict = field(default_factory=dict)
+    system_tokens: int = 0
+
+    def shared_prefix(self, session: SessionSpec) -> tuple[tuple[str, int], ...]:
+        """The prefixes a session's prompts share with other sessions, outermost first, as the
+        gate is told them (``prefix_key``, ``prefix_tokens``): the system prompt, then its
+        group's first prompt, which starts with it. Empty: none. Holds until the session's
+        context is reset."""
+        levels: list[tuple[str, int]] = []
+        if self.system_tokens > 0:
+            levels.append(("system", self.system_tokens))
+        if session.group is not None and session.shared_tokens > self.system_tokens:
+            levels.append((f"group:{session.group}", session.shared_tokens))
+        return tuple(levels)
+
+    def distinct_prompt_tokens(self) -> int:
+        """Fresh prompt tokens (:meth:`fresh_tokens`) with each shared prefix counted once:
+        a first prompt repeats its group's prompt when a sibling came before it, else the
+        system prompt when any session came before it."""
+        n = 0
+        groups: set[str] = set()
+        for k, s in enumerate(self.sessions):
+            for i, t in enumerate(s.turns):
+                new = t.reset_to if t.reset_to is not None else t.new_tokens
+                if i == 0 and t.reset_to is None:
+                    if s.group is not None and s.group in groups:
+                        new -= min(s.shared_tokens, new)
+                    elif k > 0:
+                        new -= min(self.system_tokens, new)
+                n += new
+            if s.group is not None:
+                groups.add(s.group)
+        return n
 
     @property
     def num_turns(self) -> int:
@@ -257,8 +286,18 @@ class WorkloadSpec:
     tool: ToolLatency = ToolLatency()
     arrival_spread_s: float = 0.0
     vocab: int = VOCAB_DEFAULT
+    #: samples per task (GRPO's n): each run of ``group_size`` sessions is one task, whose
+    #: first prompt (length drawn once per task) all its samples send; 1: no groups
+    group_size: int = 1
+    #: the leading tokens of every first prompt that are one system prompt (and tool schema)
+    system_prompt: int = 0
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.group_size, int) and 1 <= self.group_size <= MAX_SESSIONS):
+            raise ValueError(f"group size must be an integer in [1, {MAX_SESSIONS:,}], got {self.group_size!r}")
+        if not (isinstance(self.system_prompt, int) and 0 <= self.system_prompt <= self.first_prompt.lo):
+            raise ValueError(f"system prompt must be an integer of tokens in [0, the shortest first prompt "
+                             f"{self.first_prompt.lo}], got {self.system_prompt!r}")
         if not (isinstance(self.sessions, int) and 1 <= self.sessions <= MAX_SESSIONS):
             raise ValueError(f"sessions must be an integer in [1, {MAX_SESSIONS:,}], got {self.sessions!r}")
         if not 1 <= self.turns.lo <= self.turns.hi <= MAX_TURNS:
@@ -280,6 +319,9 @@ class WorkloadSpec:
         d = asdict(self)
         for k in ("turns", "first_prompt", "tool_result", "output"):
             d[k] = str(getattr(self, k))
+        if self.group_size == 1 and self.system_prompt == 0:
+            # the spec of a workload without sharing reads as it always did
+            del d["group_size"], d["system_prompt"]
         return d
 
 
@@ -289,116 +331,53 @@ def generate(spec: WorkloadSpec, seed: int = 0) -> Workload:
         raise ValueError(f"seed must be an integer, got {seed!r}")
     rng = random.Random(f"kvgate-bench-workload:{seed}")
     width = len(str(spec.sessions - 1))
+    grouped = spec.group_size > 1
+    gwidth = len(str((spec.sessions - 1) // spec.group_size))
     sessions = []
+    task_prompt = start = 0.0
     for i in range(spec.sessions):
         n_turns = spec.turns.sample(rng)
-        start = rng.uniform(0.0, spec.arrival_spread_s) if spec.arrival_spread_s > 0 else 0.0
+        if not grouped or i % spec.group_size == 0:
+            # a task's samples arrive together (a rollout sends the n samples of a task at once)
+            start = rng.uniform(0.0, spec.arrival_spread_s) if spec.arrival_spread_s > 0 else 0.0
         turns = []
         for t in range(n_turns):
-            new = spec.first_prompt.sample(rng) if t == 0 else spec.tool_result.sample(rng)
+            if t == 0 and grouped and i % spec.group_size == 0:
+                task_prompt = spec.first_prompt.sample(rng)
+            if t == 0:
+                new = task_prompt if grouped else spec.first_prompt.sample(rng)
+            else:
+                new = spec.tool_result.sample(rng)
             gap = start if t == 0 else spec.tool.sample(rng)
             turns.append(TurnSpec(turn=t, new_tokens=new, output_tokens=spec.output.sample(rng), gap_s=gap))
-        sessions.append(SessionSpec(session_id=f"s{seed}-{i:0{width}d}", turns=tuple(turns)))
+        group = f"t{seed}-{i // spec.group_size:0{gwidth}d}" if grouped else None
+        sessions.append(SessionSpec(session_id=f"s{seed}-{i:0{width}d}", turns=tuple(turns), group=group,
+                                    shared_tokens=int(task_prompt) if grouped else 0))
     return Workload(sessions=tuple(sessions), seed=seed, vocab=spec.vocab, source="synthetic",
-                    spec=spec.to_dict())
+                    spec=spec.to_dict(), system_tokens=spec.system_prompt)
 
 
-_TRACE_KEYS = ("session", "turn", "input_tokens", "output_tokens", "gap_s")
-
-
-def load_trace(path: str | Path, *, seed: int = 0, vocab: int = VOCAB_DEFAULT) -> Workload:
-    """Replay a JSONL trace: one ``{"session", "turn", "input_tokens", "output_tokens", "gap_s"}`` per line.
-
-    ``input_tokens`` is the full prompt of that turn (history included); when it is at
-    least the previous turn's prompt + output, the difference is the new tool result,
-    otherwise the context was reset or truncated and the turn starts from fresh tokens.
-    ``gap_s`` is the wait before the turn (for a session's first turn: its arrival offset).
-    Blank lines and lines starting with ``#`` are skipped.  Any bad line raises a
-    ValueError naming its line number.
-    """
-    p = Path(path)
-    try:
-        raw = p.read_bytes()
-    except OSError as e:
-        raise ValueError(f"trace {p}: cannot read ({e})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise ValueError(f"{p}: line {line}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
-    # lines end at "\n" only: JSON strings may hold U+2028, U+2029 or U+0085 raw, which
-    # str.splitlines() would also split on (and shift every later line number)
-    return parse_trace((ln.removesuffix("\r") for ln in text.split("\n")),
-                       seed=seed, vocab=vocab, name=str(p))
-
-
-def parse_trace(lines: Iterable[str], *, seed: int = 0, vocab: int = VOCAB_DEFAULT,
-                name: str = "trace") -> Workload:
-    rows: dict[str, dict[int, tuple[int, int, int, float]]] = {}
-    order: list[str] = []
-    kinds: dict[str, type] = {}
-    for lineno, raw in enumerate(lines, start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        where = f"{name}: line {lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        missing = [k for k in _TRACE_KEYS if k not in obj]
-        if missing:
-            raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
-        sess = obj["session"]
-        if isinstance(sess, bool) or not isinstance(sess, (str, int)) or str(sess) == "":
-            raise ValueError(f"{where}: 'session' must be a non-empty string or an integer, got {sess!r}")
-        turn, inp, out, gap = obj["turn"], obj["input_tokens"], obj["output_tokens"], obj["gap_s"]
-        for key, val, lo in (("turn", turn, 0), ("input_tokens", inp, 1), ("output_tokens", out, 1)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < lo:
-                raise ValueError(f"{where}: {key!r} must be an integer >= {lo}, got {val!r}")
-        for key, val in (("input_tokens", inp), ("output_tokens", out)):
-            if val > MAX_REQUEST_TOKENS:
-                raise ValueError(f"{where}: {key!r} must be <= {MAX_REQUEST_TOKENS:,}, got {val!r}")
-        if inp + out > MAX_REQUEST_TOKENS:
-            raise ValueError(f"{where}: input_tokens + output_tokens must be <= {MAX_REQUEST_TOKENS:,}, "
-                             f"got {inp + out:,}")
-        if (isinstance(gap, bool) or not isinstance(gap, (int, float)) or not math.isfinite(gap)
-                or not 0 <= gap <= MAX_GAP_S):
-            raise ValueError(f"{where}: 'gap_s' must be a number of seconds in [0, {MAX_GAP_S:g}], got {gap!r}")
-        sid = str(sess)
-        if sid not in rows:
-            rows[sid] = {}
-            order.append(sid)
-            kinds[sid] = type(sess)
-        elif kinds[sid] is not type(sess):
-            raise ValueError(f"{where}: session {sess!r} was a {kinds[sid].__name__} on an earlier "
-                             f"line; use one spelling, or two different ids, per session")
-        if turn in rows[sid]:
-            raise ValueError(f"{where}: duplicate turn {turn} of session {sid!r} "
-                             f"(first seen on line {rows[sid][turn][0]})")
-        rows[sid][turn] = (lineno, inp, out, float(gap))
-    if not rows:
-        raise ValueError(f"{name}: no turns (empty trace)")
-    sessions = []
-    for sid in order:
-        turns = []
-        prev_total = 0
-        for idx, t in enumerate(sorted(rows[sid])):
-            lineno, inp, out, gap = rows[sid][t]
-            if idx > 0 and inp >= prev_total:
-                turns.append(TurnSpec(turn=t, new_tokens=inp - prev_total, output_tokens=out, gap_s=gap,
-                                      line=lineno))
-            elif idx == 0:
-                turns.append(TurnSpec(turn=t, new_tokens=inp, output_tokens=out, gap_s=gap, line=lineno))
-            else:
-                turns.append(TurnSpec(turn=t, new_tokens=0, output_tokens=out, gap_s=gap, reset_to=inp,
-                                      line=lineno))
-            prev_total = inp + out
-        sessions.append(SessionSpec(session_id=sid, turns=tuple(turns)))
-    return Workload(sessions=tuple(sessions), seed=seed, vocab=vocab, source=f"trace:{name}",
-                    spec={"trace": name})
+def turn_tokens(workload: Workload, session: SessionSpec, index: int) -> list[int]:
+    """The token ids turn ``index`` of ``session`` adds to its history (all of it after a
+    reset). A first prompt starts with the workload's system prompt, then its group's
+    prompt up to ``shared_tokens``, then the session's own tokens: shared parts are drawn
+    from (seed, system) and (seed, group) alone, so siblings send identical ids and the
+    engines' block hashes of them match."""
+    t = session.turns[index]
+    sid = session.session_id
+    if t.reset_to is not None:
+        return session_tokens(workload, sid, t.turn, t.reset_to)
+    n = t.new_tokens
+    if index > 0:
+        return session_tokens(workload, sid, t.turn, n)
+    sys_n = min(workload.system_tokens, n)
+    shared = min(max(session.shared_tokens, sys_n), n) if session.group is not None else sys_n
+    if shared == 0:
+        return session_tokens(workload, sid, t.turn, n)
+    ids = session_tokens(workload, "\x00system", 0, sys_n)
+    if shared > sys_n:
+        ids += session_tokens(workload, f"\x00group:{session.group}", 0, shared - sys_n)
+    return ids + session_tokens(workload, sid, t.turn, n - shared)
 
 
 def session_tokens(workload: Workload, session_id: str, segment: int, n: int) -> list[int]:
