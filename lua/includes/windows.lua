@@ -8,7 +8,7 @@
 
   KEYS used: windows, window_exp, window_order
   Knobs read: idle_grace_ms (window_idle); residency, admission (opens_window, trim);
-    high_watermark (opens_window)
+    high_watermark (opens_window); headroom (trim)
 ]]
 --@include common
 --@include prefixes
