@@ -743,33 +743,6 @@ def test_a_budget_scale_lets_windows_outgrow_the_pool_before_the_trim(backend, c
     assert int(g.redis.hget(g.key("stats"), "window_revoked")) == 1
 
 
-def test_a_budget_scale_below_one_drains_and_revokes_only_past_the_pool(backend, clock):
-    # budget scale 0.5 (fixed here; docs/budget.md): the ceiling (500) holds newcomers back,
-    # but windows that still fit the pool keep their KV: no window is revoked until the held
-    # sessions outgrow the pool itself, and then only down to the pool x headroom
-    g = mkgate(backend, clock, headroom=1.0, idle_grace_s=60)
-    g.write_snapshot(engines(cap=1000, usage=0.1))
-    for sid in ("old", "mid", "young"):
-        g.acquire(sid, prompt_tokens=250, max_new_tokens=0).release()
-        clock.advance(1)
-    g2 = mkgate(backend, clock, headroom=1.0, idle_grace_s=60, budget_scale=0.5)
-    g2.write_snapshot(engines(cap=1000, usage=0.1))
-    grow = g2.acquire("old", prompt_tokens=400, max_new_tokens=0)  # 900: past 0.5 x pool
-    assert grow.reason == "reserved_session"
-    grow.release()
-    g2.housekeep()
-    assert {k.decode() for k in g2.redis.hkeys(g2.key("windows"))} == {"old", "mid", "young"}
-    assert ledger(g2) == 900
-    r = script(g2, "acquire", ticket="n", session="new", need=10, probe=-2, retain=1)
-    assert (r["o"], r["r"]) == ("wait", "capacity_exhausted")  # newcomers wait: the budget drains
-    script(g2, "cancel", ticket="n")
-    # past the pool the longest idle window goes (mid), down to the pool x headroom
-    g2.acquire("old", prompt_tokens=600, max_new_tokens=0).release()  # 1100 > 1000
-    assert {k.decode() for k in g2.redis.hkeys(g2.key("windows"))} == {"old", "young"}
-    assert ledger(g2) == 850
-    assert int(g2.redis.hget(g2.key("stats"), "window_revoked")) == 1
-
-
 def test_rule7_waits_when_the_ledger_is_full(backend, clock):
     g = mkgate(backend, clock, headroom=0.5, probe=FakeProbe({"hot": 1.0}), residency=True)
     g.write_snapshot(engines(cap=1000, usage=0.88))  # ceiling 500

@@ -8,7 +8,7 @@
 
   KEYS used: windows, window_exp, window_order
   Knobs read: idle_grace_ms (window_idle); residency, admission (opens_window, trim);
-    high_watermark (opens_window); headroom (trim)
+    high_watermark (opens_window)
 ]]
 --@include common
 --@include prefixes
@@ -56,14 +56,13 @@ end
 local function trim(snap, limit)
   if P.admission ~= 1 or P.residency ~= 1 or not snap.fresh then return 0 end
   -- hysteresis: windows may grow past the ceiling (rules 5 and 7); only when they outgrow
-  -- the budget's share of the engines' whole capacity are windows revoked, down to that
-  -- share x headroom. Never below the pool itself: under scale 1 the held sessions still fit,
-  -- and a revoked window's session would re-prefill what the engines keep for it; a smaller
-  -- budget drains instead, admitting fewer newcomers as held sessions end (docs/budget.md)
-  local keep = math.max(1, snap.scale)
+  -- the budget's share of the engines' whole capacity (ceiling / headroom) are windows
+  -- revoked, down to the ceiling. Below scale 1 too: there the measured budget says the held
+  -- sessions thrash the pool, and a revoked session waits warm-free instead of every session
+  -- re-prefilling (docs/budget.md)
   local r = reserved()
-  if r <= snap.capacity * keep then return 0 end
-  local excess = r - math.floor(snap.capacity * P.headroom * keep)
+  if r <= snap.capacity * snap.scale then return 0 end
+  local excess = r - snap.ceiling
   local n = 0
   local oldest = redis.call("ZRANGE", K.window_order, 0, 0)[1]
   -- window_exp holds idle windows only, scored by grace expiry: the earliest was released first
