@@ -369,6 +369,12 @@ class CountingGate(kvgate.AsyncGate):
         return out
 
 
+def crowd_config() -> kvgate.GateConfig:
+    """The crowd's gate settings, also the parent's (its re-check must be the waiters' own: at
+    the default max_wait_s a waiter queued that long is admitted as aged, not re-checked)."""
+    return config(wait_poll_s=CROWD_POLL_S, max_wait_s=600.0, max_wait_hard_s=1200.0)
+
+
 async def crowd(url: str, gate_name: str, members: range, handoff_s: float, report: Any, hold: bool = True,
                 cluster: bool = False) -> None:
     """A crowd process: with ``hold``, one lease fills the gate; the sessions of ``members``
@@ -376,7 +382,7 @@ async def crowd(url: str, gate_name: str, members: range, handoff_s: float, repo
     released and every admitted waiter releases at once and queues again, for ``handoff_s``.
     Several crowd processes may share one gate (benchmarks/scale.py): one holds. With
     ``cluster``, ``url`` is a node of a Redis Cluster, reached as a gate reaches one."""
-    cfg = config(wait_poll_s=CROWD_POLL_S, max_wait_s=600.0, max_wait_hard_s=1200.0)
+    cfg = crowd_config()
     if cluster:
         timeouts = {k: v for k, v in client_kw().items() if k != "retry"}  # from_url sets its own
         gate = CountingGate.from_url(url, gate_name, cfg, cluster=True, max_connections=CROWD_BATCH, **timeouts)
@@ -493,7 +499,7 @@ def run_crowds(r: Any, url: str, crowds: dict[str, tuple[int, int]], handoff_s: 
     where = {name: node_of(r, name) for name in crowds}
     gates, shas, pipes, running = {}, {}, {}, []
     for name in crowds:
-        gate = gates[name] = kvgate.Gate(r, gate=name, config=config())
+        gate = gates[name] = kvgate.Gate(r, gate=name, config=crowd_config())
         # a ceiling (capacity x headroom 0.9) that holds one turn and not two
         gate.write_snapshot(engine(int((PROMPT + NEW_TOKENS) * 1.5 / 0.9)))
         shas.update({gate._scripts[s].sha: s for s in SCRIPT_NAMES})
@@ -533,7 +539,7 @@ def run_crowds(r: Any, url: str, crowds: dict[str, tuple[int, int]], handoff_s: 
                     raise RuntimeError(f"the crowd of {crowds[name][0]} on {name} sent no result")
                 results.setdefault(name, []).append(parent.recv())
                 if "error" in results[name][-1]:
-                    raise RuntimeError(f"the crowd of {crowds[name][0]} on {name} failed: {results[name][-1]['error']}")
+                    raise RuntimeError(f"the crowd on {name} failed: {results[name][-1]['error']}")
         stats = {addr: command_stats(node) for addr, node in nodes.items()}
         slow = [e for node in nodes.values() for e in node.slowlog_get(1_000_000)]
         left = {name: r.zcard(gates[name].key("fifo")) for name in crowds}  # the crowd stopped queueing: about w - 1
@@ -567,7 +573,8 @@ def run_crowds(r: Any, url: str, crowds: dict[str, tuple[int, int]], handoff_s: 
             "queued_after": left[name], "missed": dict(sum((Counter(x["missed"]) for x in res), Counter())),
             "recheck_us": recheck_us[name],
             **{k: v for k, v in node_out[where[name]].items() if k != "gates"},
-            "calls_by_script": {k: v / n for k, v in sorted(sum((Counter(x["calls"]) for x in res), Counter()).items())},
+            "calls_by_script": {k: v / n for k, v in
+                                sorted(sum((Counter(x["calls"]) for x in res), Counter()).items())},
             "script_us_per_call": {k: statistics.median(v) for k, v in sorted(by_script[name].items())},
         }
         r.delete(*gates[name]._keys)

@@ -29,7 +29,8 @@ figures (its server figures are its node's, over the admissions of the gates on 
 every gate's together (INFO commandstats summed over the nodes), and each node's.
 
 ``--quick`` is a smoke run (4 processes, 10 and 100 waiters, short hand-offs);
-``tests/test_scale_bench.py`` runs it, and with ``--cluster``. docs/benchmarks.md#across-processes has the full run's figures.
+``tests/test_scale_bench.py`` runs it, and with ``--cluster``. docs/benchmarks.md#across-processes
+has the full runs' figures.
 """
 from __future__ import annotations
 
