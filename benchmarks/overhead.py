@@ -409,6 +409,8 @@ async def crowd(url: str, gate_name: str, members: range, handoff_s: float, repo
                 # counted and reported: a member that spun on bypasses would measure nothing
                 missed[f"{lease.outcome}/{lease.reason}"] += 1
                 return
+            if not running[0]:
+                return  # admitted after the window: it keeps the place, so the hand-offs stop
             events.append(("a", time.monotonic()))
             admitted[0] += 1
             events.append(("r", time.monotonic()))
@@ -437,8 +439,9 @@ async def crowd(url: str, gate_name: str, members: range, handoff_s: float, repo
     running[0] = False
     report.send({"handoffs": admitted[0], "elapsed_s": time.monotonic() - t0, "events": list(events),
                  "calls": dict(gate.calls), "missed": dict(missed)})
-    for t in tasks:  # the parent stops this process by pid; nothing here needs to end cleanly
-        t.cancel()
+    # the parent stops this process by pid before it reads the server's counters: cancelling
+    # the waiters here would send their cancel calls into those counters
+    await asyncio.sleep(CROWD_RESULT_S)
 
 
 def crowd_main(url: str, gate_name: str, members: range, handoff_s: float, report: Any, hold: bool = True,
@@ -486,6 +489,14 @@ def run_crowd(r: redis.Redis, url: str, name: str, w: int, handoff_s: float, pro
     return run_crowds(r, url, {name: (w, procs)}, handoff_s)["gates"][name]
 
 
+def stop(procs: list) -> None:
+    """Kill processes by pid and reap them."""
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.join(timeout=10)
+
+
 def run_crowds(r: Any, url: str, crowds: dict[str, tuple[int, int]], handoff_s: float) -> dict:
     """``run_crowd`` on several gates at once: gate name -> (waiters, processes), every crowd
     queued before any hands off, then all hand off together. ``r`` is a client of one Redis
@@ -497,7 +508,7 @@ def run_crowds(r: Any, url: str, crowds: dict[str, tuple[int, int]], handoff_s: 
     cluster = isinstance(r, redis.RedisCluster)
     nodes = server_nodes(r)
     where = {name: node_of(r, name) for name in crowds}
-    gates, shas, pipes, running = {}, {}, {}, []
+    gates, shas, running = {}, {}, []
     for name in crowds:
         gate = gates[name] = kvgate.Gate(r, gate=name, config=crowd_config())
         # a ceiling (capacity x headroom 0.9) that holds one turn and not two
@@ -510,20 +521,24 @@ def run_crowds(r: Any, url: str, crowds: dict[str, tuple[int, int]], handoff_s: 
         if msg != "queued":
             raise RuntimeError(f"the crowd of {crowds[name][0]} on {name} did not queue: {msg}")
     try:
-        for name, (w, procs) in crowds.items():
-            pipes[name] = []
-            for i in range(procs):
-                parent, child = ctx.Pipe()
-                members = range(w * i // procs, w * (i + 1) // procs)
-                proc = ctx.Process(target=crowd_main, args=(url, name, members, handoff_s, child, i == 0, cluster),
-                                   daemon=True)
-                proc.start()
-                pipes[name].append(parent)
-                running.append(proc)
-                # one process at a time: the holder's lease first (the others' members must all
-                # wait), then each queues while the others only wait (64 processes starting at
-                # once on two cores pushed their first calls past the gate's deadline: degraded)
-                queued(name, parent)
+        pipes = {name: [] for name in crowds}
+        # a round per process index, one process of each gate: every gate's holder first, and
+        # every gate's waiters queued alike over the rounds, so their re-checks (each waiter's
+        # every CROWD_POLL_S) fall alike in each gate's window, not all in the first gate's
+        rounds = max(procs for _, procs in crowds.values())
+        for i, name in ((i, name) for i in range(rounds) for name in crowds if i < crowds[name][1]):
+            w, procs = crowds[name]
+            parent, child = ctx.Pipe()
+            members = range(w * i // procs, w * (i + 1) // procs)
+            proc = ctx.Process(target=crowd_main, args=(url, name, members, handoff_s, child, i == 0, cluster),
+                               daemon=True)
+            proc.start()
+            pipes[name].append(parent)
+            running.append(proc)
+            # one process at a time: the holder's lease first (the others' members must all
+            # wait), then each queues while the others only wait (64 processes starting at
+            # once on two cores pushed their first calls past the gate's deadline: degraded)
+            queued(name, parent)
         recheck_us = {name: recheck_cost(r, gates[name], nodes[where[name]]) for name in crowds}
         for node in nodes.values():
             node.config_set("slowlog-log-slower-than", 0)
@@ -540,15 +555,14 @@ def run_crowds(r: Any, url: str, crowds: dict[str, tuple[int, int]], handoff_s: 
                 results.setdefault(name, []).append(parent.recv())
                 if "error" in results[name][-1]:
                     raise RuntimeError(f"the crowd on {name} failed: {results[name][-1]['error']}")
+        stop(running)  # no call of a crowd lands in the counters after its result
         stats = {addr: command_stats(node) for addr, node in nodes.items()}
         slow = [e for node in nodes.values() for e in node.slowlog_get(1_000_000)]
         left = {name: r.zcard(gates[name].key("fifo")) for name in crowds}  # the crowd stopped queueing: about w - 1
         for node in nodes.values():
             node.config_set("slowlog-log-slower-than", 10_000)
     finally:
-        for proc in running:
-            proc.kill()
-            proc.join(timeout=10)
+        stop(running)
     by_script: dict[str, dict[str, list[int]]] = {name: {} for name in crowds}
     for e in slow:
         cmd = e["command"].split() if isinstance(e["command"], (bytes, str)) else e["command"]
