@@ -41,7 +41,8 @@ prints the figures as JSON instead of tables.
 
 This script is over 400 lines on purpose: its four measurements share one Redis, one way of
 reading the server's counters and one report, and benchmarks/scale.py imports its waiters'
-crowd (``run_crowd``) rather than keeping a second copy.
+crowd (``run_crowd``, and ``run_crowds`` for several gates at once on one Redis or a Redis
+Cluster) rather than keeping a second copy.
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ from redis.backoff import NoBackoff  # noqa: E402
 from redis.retry import Retry  # noqa: E402
 
 import kvgate  # noqa: E402
+from kvgate import keys as kvkeys  # noqa: E402
 from kvgate.client.scripts import SCRIPT_NAMES, lua_dir, render  # noqa: E402
 from kvgate.tools.bench.redis_embed import embedded_redis  # noqa: E402
 
@@ -95,6 +97,10 @@ CROWD_RESULT_S = 120.0
 RECHECKS = 50
 #: the crowd queues this many waiters at a time
 CROWD_BATCH = 500
+#: a crowd process's connections (more callers wait for one); on a cluster, where redis-py
+#: refuses a call beyond a node's connections, CROWD_BATCH per node, and half a batch queues
+#: at a time, so the re-checks of waiters queued earlier find a connection too
+CROWD_CONNECTIONS = 64
 #: the crowd's re-check poll. Each waiter re-checks once per poll: at the default 5 s, 10,000
 #: waiters are 2,000 acquire calls a second, more than one Python process on a shared 2-core
 #: machine can drive (its calls pass the gate's deadline and degrade), so the crowd polls every
@@ -130,6 +136,22 @@ def per_op(stats: dict[str, dict], client: set[str], n: int) -> dict:
     return {"server_us": sent_us / n, "script_calls": scripts / n,
             "inner_commands": sum(v["calls"] for v in inner.values()) / n,
             "inner_us": sum(v["usec"] for v in inner.values()) / n}
+
+
+def server_nodes(r: Any) -> dict[str, redis.Redis]:
+    """The servers whose counters a run reads, by ``host:port``: a cluster client's primaries
+    (INFO, CONFIG and SLOWLOG are per node), else the one server of ``r``."""
+    if isinstance(r, redis.RedisCluster):
+        return {n.name: r.get_redis_connection(n) for n in r.get_primaries()}
+    kw = r.connection_pool.connection_kwargs
+    return {f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}": r}
+
+
+def node_of(r: Any, gate_name: str) -> str:
+    """The ``host:port`` (a key of server_nodes) that holds gate ``gate_name``'s hash slot."""
+    if isinstance(r, redis.RedisCluster):
+        return r.get_node_from_key(kvkeys.key(gate_name, "ledger")).name
+    return next(iter(server_nodes(r)))
 
 
 def quantile(xs: list[float], p: float) -> float:
@@ -347,14 +369,30 @@ class CountingGate(kvgate.AsyncGate):
         return out
 
 
-async def crowd(url: str, gate_name: str, members: range, handoff_s: float, report: Any, hold: bool = True) -> None:
+def crowd_config() -> kvgate.GateConfig:
+    """The crowd's gate settings, also the parent's (its re-check must be the waiters' own: at
+    the default max_wait_s a waiter queued that long is admitted as aged, not re-checked)."""
+    return config(wait_poll_s=CROWD_POLL_S, max_wait_s=600.0, max_wait_hard_s=1200.0)
+
+
+async def crowd(url: str, gate_name: str, members: range, handoff_s: float, report: Any, hold: bool = True,
+                cluster: bool = False) -> None:
     """A crowd process: with ``hold``, one lease fills the gate; the sessions of ``members``
     queue behind it; once the parent has reset the server's counters ("go"), the lease is
     released and every admitted waiter releases at once and queues again, for ``handoff_s``.
-    Several crowd processes may share one gate (benchmarks/scale.py): one holds."""
-    r = async_client(url, 64)
-    gate = CountingGate(r, gate=gate_name, config=config(wait_poll_s=CROWD_POLL_S, max_wait_s=600.0,
-                                                         max_wait_hard_s=1200.0))
+    Several crowd processes may share one gate (benchmarks/scale.py): one holds. With
+    ``cluster``, ``url`` is a node of a Redis Cluster, reached as a gate reaches one."""
+    cfg = crowd_config()
+    if cluster:
+        timeouts = {k: v for k, v in client_kw().items() if k != "retry"}  # from_url sets its own
+        gate = CountingGate.from_url(url, gate_name, cfg, cluster=True, max_connections=CROWD_BATCH, **timeouts)
+        # read the slots before the first batch: redis-py's asyncio RedisCluster, first used by
+        # a batch of calls at once, had some of them fail ("Connection closed by server") and
+        # the gate degrade those turns; reading the slots first, none did
+        await gate.redis.initialize()
+    else:
+        gate = CountingGate(async_client(url, CROWD_CONNECTIONS), gate=gate_name, config=cfg)
+    batch = CROWD_BATCH // 2 if cluster else CROWD_BATCH
     turn = dict(prompt_tokens=PROMPT, max_new_tokens=NEW_TOKENS, retain_session=False)
     holder = await gate.acquire("holder", **turn) if hold else None
     if holder is not None and not holder.admitted:
@@ -371,6 +409,8 @@ async def crowd(url: str, gate_name: str, members: range, handoff_s: float, repo
                 # counted and reported: a member that spun on bypasses would measure nothing
                 missed[f"{lease.outcome}/{lease.reason}"] += 1
                 return
+            if not running[0]:
+                return  # admitted after the window: it keeps the place, so the hand-offs stop
             events.append(("a", time.monotonic()))
             admitted[0] += 1
             events.append(("r", time.monotonic()))
@@ -380,8 +420,8 @@ async def crowd(url: str, gate_name: str, members: range, handoff_s: float, repo
     # past the gate's call deadline, and a turn whose call timed out is degraded, not queued
     deadline = time.monotonic() + CROWD_START_S
     tasks = []
-    for start in range(members.start, members.stop, CROWD_BATCH):
-        tasks += [asyncio.ensure_future(member(k)) for k in range(start, min(members.stop, start + CROWD_BATCH))]
+    for start in range(members.start, members.stop, batch):
+        tasks += [asyncio.ensure_future(member(k)) for k in range(start, min(members.stop, start + batch))]
         while len(gate.waited) < len(tasks):
             if missed or time.monotonic() > deadline:
                 raise RuntimeError(f"{len(tasks)} waiters did not queue within {CROWD_START_S}s: {dict(missed)}")
@@ -399,13 +439,15 @@ async def crowd(url: str, gate_name: str, members: range, handoff_s: float, repo
     running[0] = False
     report.send({"handoffs": admitted[0], "elapsed_s": time.monotonic() - t0, "events": list(events),
                  "calls": dict(gate.calls), "missed": dict(missed)})
-    for t in tasks:  # the parent stops this process by pid; nothing here needs to end cleanly
-        t.cancel()
+    # the parent stops this process by pid before it reads the server's counters: cancelling
+    # the waiters here would send their cancel calls into those counters
+    await asyncio.sleep(CROWD_RESULT_S)
 
 
-def crowd_main(url: str, gate_name: str, members: range, handoff_s: float, report: Any, hold: bool = True) -> None:
+def crowd_main(url: str, gate_name: str, members: range, handoff_s: float, report: Any, hold: bool = True,
+               cluster: bool = False) -> None:
     try:
-        asyncio.run(crowd(url, gate_name, members, handoff_s, report, hold))
+        asyncio.run(crowd(url, gate_name, members, handoff_s, report, hold, cluster))
     except Exception as e:  # noqa: BLE001 - the parent raises it, instead of waiting out its bound
         report.send({"error": f"{type(e).__name__}: {e}"})
 
@@ -423,12 +465,13 @@ def wake_latencies(events: list[tuple[str, float]]) -> list[float]:
     return wake
 
 
-def recheck_cost(r: redis.Redis, gate: kvgate.Gate) -> float:
+def recheck_cost(r: Any, gate: kvgate.Gate, node: redis.Redis) -> float:
     """Server microseconds of one waiter's re-check (what each waiter sends once per poll),
-    over waiters spread along the FIFO: the call its own flow would make, made from here."""
+    over waiters spread along the FIFO: the call its own flow would make, made from here
+    (``node``: the server of the gate's slot, whose counters time it)."""
     tickets = r.zrange(gate.key("fifo"), 0, -1)
     sample = tickets[::max(1, len(tickets) // RECHECKS)][:RECHECKS]
-    r.config_resetstat()
+    node.config_resetstat()
     for t in sample:
         w = json.loads(r.hget(gate.key("waiters"), t))
         params = dict(ticket=t.decode(), session=w["s"], need=w["n"], prompt=w["p"], protected=0, retain=0,
@@ -436,79 +479,137 @@ def recheck_cost(r: redis.Redis, gate: kvgate.Gate) -> float:
         out = gate._eval(gate._flows.eval_op("acquire", params))
         if out["o"] != "wait":
             raise RuntimeError(f"a re-check of a queued waiter did not wait: {out}")
-    return command_stats(r)["evalsha"]["usec"] / len(sample)
+    return command_stats(node)["evalsha"]["usec"] / len(sample)
 
 
 def run_crowd(r: redis.Redis, url: str, name: str, w: int, handoff_s: float, procs: int = 1) -> dict:
     """One waiters level: ``w`` waiters in ``procs`` crowd processes (the first holds the
     lease that fills the gate) queue on gate ``name``, then hand its one place from head to
     head for ``handoff_s``; the figures per hand-off."""
-    ctx = multiprocessing.get_context("spawn")
-    gate = kvgate.Gate(r, gate=name, config=config())
-    # a ceiling (capacity x headroom 0.9) that holds one turn and not two
-    gate.write_snapshot(engine(int((PROMPT + NEW_TOKENS) * 1.5 / 0.9)))
-    shas = {gate._scripts[s].sha: s for s in SCRIPT_NAMES}
-    shards = [range(w * i // procs, w * (i + 1) // procs) for i in range(procs)]
-    pipes, running = [], []
+    return run_crowds(r, url, {name: (w, procs)}, handoff_s)["gates"][name]
 
-    def queued(parent: Any) -> None:
+
+def stop(procs: list) -> None:
+    """Kill processes by pid and reap them."""
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.join(timeout=10)
+
+
+def run_crowds(r: Any, url: str, crowds: dict[str, tuple[int, int]], handoff_s: float) -> dict:
+    """``run_crowd`` on several gates at once: gate name -> (waiters, processes), every crowd
+    queued before any hands off, then all hand off together. ``r`` is a client of one Redis
+    or a ``RedisCluster`` (the crowds then reach the cluster as a gate does). Returns
+    ``gates`` (each gate's figures; its server figures are its node's over the admissions of
+    the gates on that node), ``nodes`` (per node: its gates and server figures) and
+    ``total`` (every gate's admissions; the server figures summed over the nodes)."""
+    ctx = multiprocessing.get_context("spawn")
+    cluster = isinstance(r, redis.RedisCluster)
+    nodes = server_nodes(r)
+    where = {name: node_of(r, name) for name in crowds}
+    gates, shas, running = {}, {}, []
+    for name in crowds:
+        gate = gates[name] = kvgate.Gate(r, gate=name, config=crowd_config())
+        # a ceiling (capacity x headroom 0.9) that holds one turn and not two
+        gate.write_snapshot(engine(int((PROMPT + NEW_TOKENS) * 1.5 / 0.9)))
+        shas.update({gate._scripts[s].sha: s for s in SCRIPT_NAMES})
+    by_key = {kvkeys.key(name, "ledger"): name for name in crowds}
+
+    def queued(name: str, parent: Any) -> None:
         msg = parent.recv() if parent.poll(CROWD_START_S + 10) else {"error": "no word within its bound"}
         if msg != "queued":
-            raise RuntimeError(f"the crowd of {w} did not queue: {msg}")
+            raise RuntimeError(f"the crowd of {crowds[name][0]} on {name} did not queue: {msg}")
     try:
-        for i, members in enumerate(shards):
+        pipes = {name: [] for name in crowds}
+        # a round per process index, one process of each gate: every gate's holder first, and
+        # every gate's waiters queued alike over the rounds, so their re-checks (each waiter's
+        # every CROWD_POLL_S) fall alike in each gate's window, not all in the first gate's
+        rounds = max(procs for _, procs in crowds.values())
+        for i, name in ((i, name) for i in range(rounds) for name in crowds if i < crowds[name][1]):
+            w, procs = crowds[name]
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=crowd_main, args=(url, name, members, handoff_s, child, i == 0), daemon=True)
+            members = range(w * i // procs, w * (i + 1) // procs)
+            proc = ctx.Process(target=crowd_main, args=(url, name, members, handoff_s, child, i == 0, cluster),
+                               daemon=True)
             proc.start()
-            pipes.append(parent)
+            pipes[name].append(parent)
             running.append(proc)
             # one process at a time: the holder's lease first (the others' members must all
             # wait), then each queues while the others only wait (64 processes starting at
             # once on two cores pushed their first calls past the gate's deadline: degraded)
-            queued(parent)
-        recheck_us = recheck_cost(r, gate)
-        r.config_set("slowlog-log-slower-than", 0)
-        r.config_set("slowlog-max-len", 1_000_000)
-        r.slowlog_reset()
-        r.config_resetstat()
-        for parent in pipes:
+            queued(name, parent)
+        recheck_us = {name: recheck_cost(r, gates[name], nodes[where[name]]) for name in crowds}
+        for node in nodes.values():
+            node.config_set("slowlog-log-slower-than", 0)
+            node.config_set("slowlog-max-len", 1_000_000)
+            node.slowlog_reset()
+            node.config_resetstat()
+        for parent in (p for ps in pipes.values() for p in ps):
             parent.send("go")
-        results = []
-        for parent in pipes:
-            if not parent.poll(CROWD_RESULT_S + handoff_s):
-                raise RuntimeError(f"the crowd of {w} sent no result")
-            results.append(parent.recv())
-            if "error" in results[-1]:
-                raise RuntimeError(f"the crowd of {w} failed: {results[-1]['error']}")
-        stats = command_stats(r)
-        slow = r.slowlog_get(1_000_000)
-        queued = r.zcard(gate.key("fifo"))  # the crowd stopped queueing again: about w - 1
-        r.config_set("slowlog-log-slower-than", 10_000)
+        results: dict[str, list[dict]] = {}
+        for name, ps in pipes.items():
+            for parent in ps:
+                if not parent.poll(CROWD_RESULT_S + handoff_s):
+                    raise RuntimeError(f"the crowd of {crowds[name][0]} on {name} sent no result")
+                results.setdefault(name, []).append(parent.recv())
+                if "error" in results[name][-1]:
+                    raise RuntimeError(f"the crowd on {name} failed: {results[name][-1]['error']}")
+        stop(running)  # no call of a crowd lands in the counters after its result
+        stats = {addr: command_stats(node) for addr, node in nodes.items()}
+        slow = [e for node in nodes.values() for e in node.slowlog_get(1_000_000)]
+        left = {name: r.zcard(gates[name].key("fifo")) for name in crowds}  # the crowd stopped queueing: about w - 1
+        for node in nodes.values():
+            node.config_set("slowlog-log-slower-than", 10_000)
     finally:
-        for proc in running:
-            proc.kill()
-            proc.join(timeout=10)
-    res = {"handoffs": sum(x["handoffs"] for x in results), "elapsed_s": results[0]["elapsed_s"],
-           "wake_s": wake_latencies([e for x in results for e in x["events"]]),
-           "calls": sum((Counter(x["calls"]) for x in results), Counter()),
-           "missed": sum((Counter(x["missed"]) for x in results), Counter())}
-    by_script: dict[str, list[int]] = {}
+        stop(running)
+    by_script: dict[str, dict[str, list[int]]] = {name: {} for name in crowds}
     for e in slow:
         cmd = e["command"].split() if isinstance(e["command"], (bytes, str)) else e["command"]
         cmd = [c.decode() if isinstance(c, bytes) else c for c in cmd]
-        if cmd and cmd[0].lower() == "evalsha" and len(cmd) > 1 and cmd[1] in shas:
-            by_script.setdefault(shas[cmd[1]], []).append(int(e["duration"]))
-    n = max(1, res["handoffs"])
-    wake = res["wake_s"]
-    out = {
-        "handoffs": res["handoffs"], "handoffs_per_s": res["handoffs"] / res["elapsed_s"],
-        "wake_p50_ms": quantile(wake, 0.5) * 1000, "wake_p99_ms": quantile(wake, 0.99) * 1000,
-        "queued_after": queued, "missed": dict(res["missed"]), "recheck_us": recheck_us,
-        **per_op(stats, CLIENT_COMMANDS["kvgate"], n),
-        "calls_by_script": {k: v / n for k, v in sorted(res["calls"].items())},
-        "script_us_per_call": {k: statistics.median(v) for k, v in sorted(by_script.items())},
-    }
-    r.delete(*gate._keys)
+        if len(cmd) > 3 and cmd[0].lower() == "evalsha" and cmd[1] in shas and cmd[3] in by_key:
+            by_script[by_key[cmd[3]]].setdefault(shas[cmd[1]], []).append(int(e["duration"]))
+    handoffs = {name: sum(x["handoffs"] for x in res) for name, res in results.items()}
+    node_out = {}
+    for addr in nodes:
+        on = [name for name in crowds if where[name] == addr]
+        node_out[addr] = {"gates": on, **per_op(stats[addr], CLIENT_COMMANDS["kvgate"],
+                                                 max(1, sum(handoffs[name] for name in on)))}
+    out: dict[str, Any] = {"gates": {}, "nodes": node_out}
+    wake_all: list[float] = []
+    for name, res in results.items():
+        n = max(1, handoffs[name])
+        wake = wake_latencies([e for x in res for e in x["events"]])
+        wake_all += wake
+        out["gates"][name] = {
+            "handoffs": handoffs[name], "handoffs_per_s": handoffs[name] / res[0]["elapsed_s"],
+            "wake_p50_ms": quantile(wake, 0.5) * 1000, "wake_p99_ms": quantile(wake, 0.99) * 1000,
+            "queued_after": left[name], "missed": dict(sum((Counter(x["missed"]) for x in res), Counter())),
+            "recheck_us": recheck_us[name],
+            **{k: v for k, v in node_out[where[name]].items() if k != "gates"},
+            "calls_by_script": {k: v / n for k, v in
+                                sorted(sum((Counter(x["calls"]) for x in res), Counter()).items())},
+            "script_us_per_call": {k: statistics.median(v) for k, v in sorted(by_script[name].items())},
+        }
+        r.delete(*gates[name]._keys)
+    g = out["gates"].values()
+    total = sum(m["handoffs"] for m in g)
+    summed: dict[str, dict] = {}
+    for st in stats.values():
+        for k, v in st.items():
+            acc = summed.setdefault(k, {"calls": 0, "usec": 0})
+            acc["calls"] += v["calls"]
+            acc["usec"] += v["usec"]
+    every: dict[str, list[int]] = {}
+    for per_gate in by_script.values():
+        for k, v in per_gate.items():
+            every.setdefault(k, []).extend(v)
+    out["total"] = {"handoffs": total, "handoffs_per_s": sum(m["handoffs_per_s"] for m in g),
+                    "wake_p50_ms": quantile(wake_all, 0.5) * 1000, "wake_p99_ms": quantile(wake_all, 0.99) * 1000,
+                    "missed": dict(sum((Counter(m["missed"]) for m in g), Counter())),
+                    "recheck_us": statistics.mean(m["recheck_us"] for m in g),
+                    **per_op(summed, CLIENT_COMMANDS["kvgate"], max(1, total)),
+                    "script_us_per_call": {k: statistics.median(v) for k, v in sorted(every.items())}}
     return out
 
 

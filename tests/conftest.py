@@ -20,24 +20,15 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import tempfile
-import time
-from dataclasses import dataclass, field
 
 import pytest
-import redis
+
+from kvgate.tools.bench import redis_embed as _embed
+# the servers are started in one place (redis_embed), shared with the benchmarks; the tests
+# import these names from here
+from kvgate.tools.bench.redis_embed import RESERVED_PORTS, RedisProc, free_port  # noqa: F401
 
 REDIS_BIN = shutil.which("redis-server")
-
-#: the port of a Redis this machine may run for something else: never started, never touched
-RESERVED_PORTS = {6379}
-
-#: how many ports start_redis tries before giving up (another process may take a free port
-#: between the probe and redis-server's bind; redis-server then exits at once)
-START_ATTEMPTS = 5
-
 
 #: the fixtures that start a redis-server: a test that uses one is marked redis_real
 REAL_REDIS_FIXTURES = frozenset({"redis_server", "redis_url", "fresh_redis", "redis_cluster"})
@@ -91,129 +82,14 @@ def require_binaries(*names: str) -> None:
     pytest.skip(msg)
 
 
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(cluster_bus: bool = False) -> int:
-    """A loopback port free right now (not held: redis-server binds it itself, and
-    start_redis retries on another one if it lost the race). With ``cluster_bus`` the port's
-    cluster bus port (port + 10000) exists and is free too."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port in RESERVED_PORTS:
-            continue
-        if cluster_bus and (port + 10000 > 65535 or not _port_is_free(port + 10000)):
-            continue
-        return port
-
-
-@dataclass
-class RedisProc:
-    """One redis-server child process; `stop()` kills it by pid."""
-
-    port: int
-    proc: subprocess.Popen
-    workdir: str
-    extra: list = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def client(self, **kw) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, **kw)
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-
-
-def _log_tail(workdir: str, n: int = 5) -> str:
-    try:
-        with open(os.path.join(workdir, "log"), errors="replace") as f:
-            lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
-    except OSError:
-        return "(no log)"
-    return " | ".join(lines[-n:]) or "(empty log)"
-
-
-def _spawn(port: int, extra: list[str], wait_s: float, config: str | None = None) -> tuple[RedisProc | None, str]:
-    """Start one redis-server on ``port``: (the process, "") once it answers as itself, or
-    (None, why) when it exited early (a taken port). Not answering within ``wait_s`` while
-    running raises: another port would not help. ``config``: the text of a config file,
-    written into the server's own directory and passed first (where redis-server reads one;
-    a sentinel also rewrites it, so each server gets its own copy)."""
-    workdir = tempfile.mkdtemp(prefix="kvgate-redis-")
-    conf = []
-    if config is not None:
-        conf = [os.path.join(workdir, "redis.conf")]
-        with open(conf[0], "w") as f:
-            f.write(config)
-    args = [REDIS_BIN, *conf, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", workdir, "--logfile", os.path.join(workdir, "log"), *extra]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    rp = RedisProc(port, proc, workdir, list(extra))
-    deadline = time.monotonic() + wait_s
-    while True:
-        if proc.poll() is not None:
-            return None, f"exited with {proc.returncode}: {_log_tail(workdir)}"
-        try:
-            c = rp.client(socket_timeout=0.5)
-            try:
-                # the server answering must be ours: another process may hold the port we lost
-                if int(c.info("server")["process_id"]) == proc.pid:
-                    return rp, ""
-            finally:
-                c.close()
-        except redis.RedisError:
-            pass
-        if time.monotonic() > deadline:
-            rp.stop(signal.SIGKILL)
-            raise RuntimeError(f"redis-server on port {port} did not answer within {wait_s}s: {_log_tail(workdir)}")
-        time.sleep(0.05)
-
-
-def start_redis(port: int | None = None, *extra: str, wait_s: float = 10.0,
-                attempts: int = START_ATTEMPTS, config: str | None = None) -> RedisProc:
-    """A private redis-server. Without ``port`` a free one is picked, and a start that fails
-    (the port was taken meanwhile) is retried on another port, ``attempts`` times. With a
-    ``port`` (a restart on the same port) the same port is retried. ``{port}`` in an extra
-    argument is replaced by the port tried (a cluster node's config file name). ``config``:
-    a config file's text, passed as the first argument (a sentinel: ``config="sentinel
-    monitor ..."`` with ``"--sentinel"`` in ``extra``)."""
+def start_redis(port: int | None = None, *extra: str, **kw) -> RedisProc:
+    """A private redis-server (kvgate.tools.bench.redis_embed.start_redis: its arguments),
+    for a test marked redis_real; skipped, or failed where redis_required(), without the
+    binary."""
     require_marker("redis_real")
     if REDIS_BIN is None:
         require_binaries("redis-server")
-    if port in RESERVED_PORTS:
-        raise ValueError(f"port {port} is reserved for the machine's own Redis")
-    cluster = "--cluster-enabled" in extra
-    why = []
-    for attempt in range(attempts):
-        p = port if port is not None else free_port(cluster_bus=cluster)
-        rp, err = _spawn(p, [a.replace("{port}", str(p)) for a in extra], wait_s, config)
-        if rp is not None:
-            return rp
-        why.append(f"port {p}: {err}")
-        if port is not None:
-            time.sleep(0.2 * (attempt + 1))  # the same port: give its last owner time to let go
-    raise RuntimeError(f"redis-server did not start after {attempts} attempts: {'; '.join(why)}")
+    return _embed.start_redis(port, *extra, **kw)
 
 
 @pytest.fixture(scope="session")
@@ -246,30 +122,9 @@ def redis_cluster():
     """Three masters, no replicas, slots assigned with redis-cli --cluster create."""
     require_marker("cluster")
     require_binaries("redis-server", "redis-cli")
-    nodes = []
-    try:
-        for _ in range(3):
-            # start_redis picks ports whose bus port (port + 10000) is free too, and retries
-            # on other ports when either was taken before redis-server bound it
-            nodes.append(start_redis(None, "--cluster-enabled", "yes", "--cluster-config-file",
-                                     "nodes-{port}.conf", "--cluster-node-timeout", "2000"))
-        addrs = [f"127.0.0.1:{n.port}" for n in nodes]
-        subprocess.run(["redis-cli", "--cluster", "create", *addrs, "--cluster-yes"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            info = nodes[0].client().execute_command("CLUSTER", "INFO")
-            if isinstance(info, bytes):
-                info = info.decode()
-            if "cluster_state:ok" in str(info):
-                break
-            time.sleep(0.2)
-        else:
-            raise RuntimeError("cluster did not become ok")
+    require_marker("redis_real")
+    with _embed.embedded_cluster() as nodes:
         yield nodes
-    finally:
-        for n in nodes:
-            n.stop(signal.SIGKILL)
 
 
 # -- gate backends and drivers: one test body over several ------------------------------

@@ -11,7 +11,8 @@ See docs/benchmarks.md. Modules, in the order a run uses them:
   :mod:`.gates` the gate and snapshot source of a gate policy; :mod:`.signals` SIGTERM;
 * :mod:`.summary` what a step measured; :mod:`.checks` the targets; :mod:`.outcome` one
   scenario's result; :mod:`.table`, :mod:`.plots`, :mod:`.matrix` the output;
-* :mod:`.cli` the entry point; :mod:`.host` the box; :mod:`.redis_embed` a private Redis.
+* :mod:`.cli` the entry point; :mod:`.host` the box; :mod:`.redis_embed` private Redis
+  servers (the bench's, the tests', a Redis Cluster).
 """
 from .trace import load_trace
 from .workload import IntRange, ToolLatency, Workload, WorkloadSpec, generate
