@@ -5,7 +5,7 @@
   attempt preemption, rules 2, 3, 5, 6, 7, 8 and 9 (aging, probing, waiting).
 
   KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp,
-    windows, window_exp, stats, totals, preempted, window_order, prefixes
+    windows, window_exp, totals, preempted, window_order, prefixes
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
   ARGV[2] JSON object of named parameters:
     ticket (str, required): this attempt's id (a retry of a turn is a new ticket)
@@ -99,7 +99,7 @@ if l then
   if l.c == 1 then
     l.c = 0
     jset(K.leases, ticket, l)
-    redis.call("ZADD", K.lease_exp, I(NOW + P.lease_ttl_ms), ticket)
+    deadline(K.lease_exp, NOW + P.lease_ttl_ms, ticket)
   end
   return out("admit", l.r, { w = l.a - l.e, t = l.t + 0, held = 1 })
 end
@@ -254,7 +254,7 @@ if band and probe == -1 and (P.admission ~= 1 or reserved() + cost(need, pre) <=
   return out("probe", reason, (not w) and { b = num(OPT.t0, NOW) } or nil)
 end
 if not w then
-  if seq == nil then seq = redis.call("HINCRBY", K.ledger, "seq", 1) end
+  if seq == nil then seq = lincr("seq", 1) end
   w = { s = session, n = need, p = prompt, v = prev, e = NOW, st = "w", r = P.retain }
   if pre ~= nil then w.pk, w.pt = prefix_fields(pre) end
   if OPT.t0 ~= nil then w.b = num(OPT.t0, NOW) end  -- began before enqueueing (a probe round trip)
@@ -270,14 +270,14 @@ elseif w.n ~= need or w.p ~= prompt then
   if pre ~= nil then w.pk, w.pt = prefix_fields(pre) end
   jset(K.waiters, ticket, w)
 end
-redis.call("ZADD", K.alive, I(NOW + P.alive_ms), ticket)
+deadline(K.alive, NOW + P.alive_ms, ticket)
 -- let heads that fit go first (bounded); this ticket may be one of them
 advance(P.reap_batch, snap)
 local g = jget(K.leases, ticket)
 if g then
   g.c = 0
   jset(K.leases, ticket, g)
-  redis.call("ZADD", K.lease_exp, I(NOW + P.lease_ttl_ms), ticket)
+  deadline(K.lease_exp, NOW + P.lease_ttl_ms, ticket)
   return out("admit", g.r, { w = g.a - g.e, t = g.t })
 end
 return out("wait", reason, { w = NOW - waiter_since(w), pos = redis.call("ZRANK", K.fifo, ticket) })

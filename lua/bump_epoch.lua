@@ -3,7 +3,7 @@
   engines without the poller noticing). Windows of older epochs stop counting as resident
   and are ended lazily when their session next looks.
 
-  KEYS used: ledger, stats, totals
+  KEYS used: ledger, totals
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
   ARGV[2] JSON object of named parameters:
     knobs: channel
@@ -13,7 +13,7 @@
 ]]
 --@include common
 
-redis.call("HINCRBY", K.ledger, "epoch", 1)
+lincr("epoch", 1)
 stat("epoch_bumps")
 publish("e " .. I(epoch()))
 return cjson.encode({ epoch = epoch() })

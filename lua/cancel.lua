@@ -4,7 +4,7 @@
   cancel racing a grant never leaks a reservation; then the FIFO advances.
 
   KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp, windows,
-    window_exp, stats, totals, window_order, preempted, prefixes
+    window_exp, totals, window_order, preempted, prefixes
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
   ARGV[2] JSON object of named parameters:
     ticket (str, required): the attempt given up

@@ -2,7 +2,7 @@
   drain_stats.lua: read and reset the step window of counters (one rollout step), together
   with the ledger's current state, atomically.
 
-  KEYS used: ledger, snapshot, fifo, lease_exp, windows, stats, preempted, prefixes
+  KEYS used: ledger, snapshot, fifo, lease_exp, windows, stats, totals, preempted, prefixes
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
   ARGV[2] JSON object of named parameters:
     drain (0/1, required): 1: reset the step window; 0: a peek
@@ -21,10 +21,25 @@
 --@include common
 --@include snapshot
 
-local flat = redis.call("HGETALL", K.stats)
+-- the step's counters: the totals less what they were when the step began (stats); a
+-- counter that went back (its totals lost) counts from zero
+local flat = redis.call("HGETALL", K.totals)
+local base = {}
+local bflat = redis.call("HGETALL", K.stats)
+for i = 1, #bflat, 2 do base[bflat[i]] = tonumber(bflat[i + 1]) end
 local st = {}
-for i = 1, #flat, 2 do st[flat[i]] = flat[i + 1] end
-if P.drain == 1 then redis.call("DEL", K.stats) end
+for i = 1, #flat, 2 do
+  local total = tonumber(flat[i + 1]) or 0
+  local d = total - (base[flat[i]] or 0)
+  if d < 0 then d = total end
+  if d ~= 0 then st[flat[i]] = (d == math.floor(d)) and I(d) or tostring(d) end
+end
+if num(lget("usage_max"), -1) >= 0 then st.usage_max = lget("usage_max") end
+if P.drain == 1 then
+  redis.call("DEL", K.stats)
+  if #flat > 0 then redis.call("HSET", K.stats, unpack(flat)) end
+  lset("usage_max", "-1")
+end
 local v = redis.call("HMGET", K.snapshot, "ts_ms", "capacity", "usage", "hit_rate", "n_healthy",
   "prefill_s_per_token", "prefill_load")
 local gap = tool_gap_s() or -1
@@ -55,5 +70,5 @@ return cjson.encode({
   hit_rate = num(v[4], -1), snapshot_age_ms = age, n_healthy = num(v[5], 0), now = NOW,
   prefill_s_per_token = num(v[6], -1), prefill_load = num(v[7], -1), tool_gap_s = gap,
   preempted_sessions = pn, preempted_max = pmax,
-  prefixes = redis.call("HLEN", K.prefixes), psaved = num(redis.call("HGET", K.ledger, "psaved"), 0),
+  prefixes = redis.call("HLEN", K.prefixes), psaved = num(lget("psaved"), 0),
 })

@@ -4,7 +4,7 @@
   forgets its preemption count, and advances the FIFO.
 
   KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp,
-    windows, window_exp, stats, totals, preempted, window_order, prefixes
+    windows, window_exp, totals, preempted, window_order, prefixes
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
   ARGV[2] JSON object of named parameters:
     session (str, required): the session that is done

@@ -4,7 +4,7 @@
   over-committed ledger (idle windows longest idle first), then advances the FIFO.
 
   KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp, windows,
-    window_exp, stats, totals, window_order, preempted, prefixes
+    window_exp, totals, window_order, preempted, prefixes
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
   ARGV[2] JSON object of named parameters:
     limit (count, required): the most items of each kind this call handles (in place of
@@ -22,7 +22,7 @@
 --@include waiters
 account()
 
-local n = reap(P.limit)
+local n = reap(P.limit, true)
 local snap = snapshot()
 n.revoked = trim(snap, P.limit)
 n.granted = advance(P.limit, snap)

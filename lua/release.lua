@@ -8,12 +8,12 @@
   idle first), and the FIFO advances.
 
   KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp, windows,
-    window_exp, stats, totals, window_order, preempted, prefixes
+    window_exp, totals, window_order, preempted, prefixes
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
   ARGV[2] JSON object of named parameters:
     ticket (str, required): the attempt whose lease is given back
     latency_ms (ms, optional): the turn's latency, for the per-turn-index signal
-      (stats lat_s_sum:<turn>, lat_n:<turn>); recorded only with turn_index
+      (totals lat_s_sum:<turn>, lat_n:<turn>); recorded only with turn_index
     turn_index (int, optional): the turn's index in its session (indices past 63 count as 63)
     knobs: admission, residency, high_watermark, pressure_threshold, headroom,
       budget_scale, staleness_ms, lease_ttl_ms, claim_ms, idle_grace_ms, reap_batch, channel

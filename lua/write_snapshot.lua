@@ -6,7 +6,7 @@
   heads).
 
   KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp, windows,
-    window_exp, stats, totals, window_order, preempted, prefixes
+    window_exp, totals, window_order, preempted, prefixes
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
   ARGV[2] JSON object of named parameters:
     engines (JSON list, required): one entry per engine, stored as it is in the snapshot's
@@ -51,7 +51,7 @@ local bumped = 0
 if old == false or old ~= sig then
   if old ~= false then
     bumped = 1
-    redis.call("HINCRBY", K.ledger, "epoch", 1)
+    lincr("epoch", 1)
     stat("epoch_bumps")
     publish("e " .. I(epoch()))
   end
@@ -68,8 +68,8 @@ end
 if nh > 0 then
   statf("usage_sum", usage)
   stat("usage_n")
-  local mx = num(redis.call("HGET", K.stats, "usage_max"), -1)
-  if usage > mx then redis.call("HSET", K.stats, "usage_max", tostring(usage)) end
+  -- the step's highest usage (drain_stats.lua reports and resets it)
+  if usage > num(lget("usage_max"), -1) then lset("usage_max", tostring(usage)) end
 end
 local snap = snapshot()
 trim(snap, P.reap_batch)

@@ -106,8 +106,10 @@ def ledger_consistent(r: redis.Redis, g) -> int:
 
 
 def stat(gate, field: str) -> int:
-    """One counter of the gate's stats hash (a sync gate's client)."""
-    return int(gate.redis.hget(gate.key("stats"), field) or 0)
+    """One counter of the gate's current rollout step (a sync gate's client): its totals less
+    their values when the step began (lua/drain_stats.lua)."""
+    r = gate.redis
+    return int(float(r.hget(gate.key("totals"), field) or 0) - float(r.hget(gate.key("stats"), field) or 0))
 
 
 def script(gate: kvgate.Gate, name: str, **params) -> dict:

@@ -13,7 +13,7 @@ import pytest
 import kvgate
 from kvgate.client.probe import FakeProbe
 
-from _gatehelpers import FAST, LONG_POLL, WAKE_S, ParkingGate, engines, ledger, mkgate, script
+from _gatehelpers import FAST, LONG_POLL, WAKE_S, ParkingGate, engines, ledger, mkgate, script, stat
 
 
 # -- rule 1: pass-through ---------------------------------------------------------------
@@ -110,7 +110,7 @@ def test_rule4_same_ticket_same_lease_charged_once(backend, clock):
     b = script(g, "acquire", ticket="t1", session="s", need=100, probe=-2)
     assert a["o"] == b["o"] == "admit" and b.get("held") == 1
     assert ledger(g) == 100
-    assert int(g.redis.hget(g.key("stats"), "admit")) == 1
+    assert stat(g, "admit") == 1
     assert script(g, "release", ticket="t1")["released"] == 1
     assert script(g, "release", ticket="t1")["released"] == 0
     assert ledger(g) == 0
@@ -183,7 +183,7 @@ def test_rule7_resident_prefix_and_rule5_window(backend, clock):
     clock.advance(31)
     g.housekeep()
     assert not g.redis.hexists(g.key("windows"), "hot")
-    assert int(g.redis.hget(g.key("stats"), "window_expired")) == 1
+    assert stat(g, "window_expired") == 1
 
 
 def test_window_ends_at_finish_session(backend, clock):
@@ -306,7 +306,7 @@ def test_aged_admission_ends_the_longest_idle_windows_first(backend, clock):
     windows = {k.decode() for k in g.redis.hkeys(g.key("windows"))}
     assert windows == {"b", "c", "d", "new"}  # a alone gave way: 300 freed was enough
     assert ledger(g) == 950
-    assert int(g.redis.hget(g.key("stats"), "window_yielded")) == 1
+    assert stat(g, "window_yielded") == 1
     script(g, "release", ticket="t")
     busy.release()
     for sid in ("b", "c", "d", "new"):
@@ -449,7 +449,7 @@ def test_the_head_waits_while_the_gate_makes_progress(backend, clock):
     clock.advance(1)
     r = wait_call(g, "t", "new")
     assert (r["o"], r["r"], r["w"]) == ("admit", "aged", 90000)
-    assert int(g.redis.hget(g.key("stats"), "admit_aged")) == 1
+    assert stat(g, "admit_aged") == 1
 
 
 def test_the_head_ages_after_max_wait_hard_s_whatever_the_progress(backend, clock):
@@ -671,7 +671,7 @@ def test_over_committed_ledger_revokes_the_longest_idle_windows_first(backend, c
     windows = {k.decode() for k in g.redis.hkeys(g.key("windows"))}
     assert windows == {"a", "b", "d"}  # c, idle the longest, ended at once
     assert ledger(g) == 900
-    assert int(g.redis.hget(g.key("stats"), "window_revoked")) == 1
+    assert stat(g, "window_revoked") == 1
     # c's next turn now waits behind the ceiling in the FIFO
     r = script(g, "acquire", ticket="c2", session="c", need=300, probe=-2, retain=1)
     assert (r["o"], r["r"]) == ("wait", "capacity_exhausted")
@@ -740,7 +740,7 @@ def test_a_budget_scale_lets_windows_outgrow_the_pool_before_the_trim(backend, c
     g.acquire("old", prompt_tokens=1000, max_new_tokens=0).release()  # 1700 > 1500
     assert {k.decode() for k in g.redis.hkeys(g.key("windows"))} == {"old", "young", "new"}
     assert ledger(g) == 1400
-    assert int(g.redis.hget(g.key("stats"), "window_revoked")) == 1
+    assert stat(g, "window_revoked") == 1
 
 
 def test_rule7_waits_when_the_ledger_is_full(backend, clock):

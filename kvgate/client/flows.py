@@ -735,9 +735,9 @@ class GateFlows:
         return urls, 1
 
     def record_close(self, attempts: int, failures: int) -> Flow:
-        """Count close attempts and failures in the step window and the totals (in this
-        process's counters while Redis cannot answer)."""
-        cmds = tuple(Command("hincrby", (self.key(k), f, n)) for k in ("stats", "totals")
+        """Count close attempts and failures in the totals, which the step window reads
+        (lua/drain_stats.lua; in this process's counters while Redis cannot answer)."""
+        cmds = tuple(Command("hincrby", (self.key("totals"), f, n))
                      for f, n in (("close", attempts), ("close_failure", failures)))
         try:
             yield from self._command(Pipeline(cmds))

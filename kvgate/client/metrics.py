@@ -1,10 +1,11 @@
 """Per-step metrics (the flat ``agentic_kv/...`` dict of seed 003 plus the seed-000
 signals), the operators' status dict, and a Prometheus collector with the same numbers.
 
-The scripts count every outcome twice: in a step window (``:stats``, drained by
-``Gate.step_metrics()``, once per rollout step) and in cumulative totals (``:totals``,
-exported to Prometheus). Outcomes decided without Redis (pass-through, degraded while
-Redis is unreachable) are counted per process and merged in.
+The scripts count every outcome once, in cumulative totals (``:totals``, exported to
+Prometheus); a rollout step's window is the totals less their values when the step began
+(``:stats``, which ``Gate.step_metrics()`` moves on once per step: lua/drain_stats.lua).
+Outcomes decided without Redis (pass-through, degraded while Redis is unreachable) are
+counted per process and merged in.
 """
 from __future__ import annotations
 

@@ -4,8 +4,11 @@ The scripts live in ``lua/`` at the project root and ship inside the wheel as
 ``kvgate/lua`` (hatch force-include). Each script file may pull shared helpers from
 ``lua/includes/`` with a line ``--@include name``; the loader inlines each include once,
 after the includes it names itself (dependency order; a cycle is an error), so a script is
-one self-contained chunk that Redis caches by SHA. Each file's header block says what it
-reads (tests/test_lua_headers.py checks it).
+one self-contained chunk that Redis caches by SHA. What follows a script's last include line
+(its body) runs as a function, ``main``, whose answer the script returns through
+``finish`` (lua/includes/common.lua): every exit of every script writes back what the call
+buffered (the ledger's fields), whichever ``return`` it took. Each file's header block says
+what it reads (tests/test_lua_headers.py checks it).
 
 Scripts are called through redis-py's ``Script`` objects: EVALSHA first, and on NOSCRIPT
 (after ``SCRIPT FLUSH`` or a Redis restart) the script is loaded again transparently.
@@ -68,4 +71,12 @@ def script_source(name: str, directory: str | None = None) -> str:
             raise FileNotFoundError(f"script {name}: include {inc!r} not found at {path}")
         return path.read_text()
 
-    return render((base / f"{name}.lua").read_text(), read_include)
+    return as_main(render((base / f"{name}.lua").read_text(), read_include))
+
+
+def as_main(rendered: str) -> str:
+    """Wrap a rendered script's body (what follows its last inlined include) in ``main``, and
+    return ``finish(main())``: the one exit every script's answer takes."""
+    cut = rendered.rfind("\n-- <<< include ")
+    cut = 0 if cut < 0 else rendered.index("\n", cut + 1) + 1
+    return f"{rendered[:cut]}local function main()\n{rendered[cut:]}\nend\nreturn finish(main())\n"

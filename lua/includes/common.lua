@@ -18,8 +18,9 @@
     lease_exp (ZSET): ticket -> lease expiry (ms): the TTL, or a FIFO grant's claim deadline
     windows (HASH): session -> ownership window record
     window_exp (ZSET): session -> idle-grace expiry (ms), idle windows only
-    stats (HASH): counters of the current rollout step (drained per step)
-    totals (HASH): the same counters, never drained (Prometheus)
+    stats (HASH): the counters of totals as they stood when the current rollout step began
+      (drain_stats.lua): the step's counters are totals less these
+    totals (HASH): the counters, cumulative (Prometheus)
     preempted (HASH): session -> its preempted attempts (until finish_session)
     window_order (ZSET): session -> its window's id (opening order)
     prefixes (HASH): shared prefix key -> its record (charged once while held)
@@ -56,7 +57,7 @@
     reap_batch (count): the most items of each kind one call reclaims, trims or grants
     channel (str): the pub/sub channel of grants, preemptions and epoch bumps ("": none)
 
-  KEYS used: ledger, fifo, stats, totals, lease_exp
+  KEYS used: ledger, fifo, totals, lease_exp
   Knobs read: channel
 ]]
 local K = {
@@ -102,6 +103,45 @@ local function num(v, default)
   return n
 end
 
+-- the ledger hash, read whole once per call (HGETALL: a dozen small fields) and written back
+-- once, by finish(): a turn reads and writes several of its fields (the reservation, the
+-- clock of the time integrals, the epoch, the counters of the budget), and every Redis
+-- command a script calls costs the shared server more than the field's own work
+-- (docs/benchmarks.md, where the server time goes). lget/lset/lincr are its only readers
+-- and writers in the scripts.
+local LEDGER, LEDGER_DIRTY = nil, {}
+local function lget(field)
+  if LEDGER == nil then
+    LEDGER = {}
+    local flat = redis.call("HGETALL", K.ledger)
+    for i = 1, #flat, 2 do LEDGER[flat[i]] = flat[i + 1] end
+  end
+  return LEDGER[field]
+end
+local function lset(field, value)
+  lget(field)
+  LEDGER[field] = value
+  LEDGER_DIRTY[field] = true
+end
+-- add `by` to an integer field of the ledger (HINCRBY's rule); returns the new value
+local function lincr(field, by)
+  local n = math.floor(tonumber(lget(field)) or 0) + math.floor(by)
+  lset(field, string.format("%d", n))
+  return n
+end
+-- the one exit of every script (kvgate/client/scripts.py wraps each script's body in main()
+-- and returns finish(main())): write back the ledger's changed fields in one HSET
+local function finish(result)
+  local args = {}
+  for field in pairs(LEDGER_DIRTY) do
+    args[#args + 1] = field
+    args[#args + 1] = LEDGER[field]
+  end
+  if #args > 0 then redis.call("HSET", K.ledger, unpack(args)) end
+  LEDGER_DIRTY = {}
+  return result
+end
+
 local function jget(key, field)
   local raw = redis.call("HGET", key, field)
   if not raw then return nil end
@@ -127,15 +167,31 @@ local function reap_expired(zset, limit, ends)
   return n
 end
 
--- count an event in the step window and in the cumulative totals
+-- the deadlines of leases (lease_exp), idle windows (window_exp) and waiters (alive) are all
+-- set here, which keeps the ledger's due_ms at or before the earliest of them ("none": no
+-- deadline is pending; absent: unknown), so that a call with nothing past its deadline skips
+-- the reaps (waiters.lua reap): three commands of every call otherwise. A deadline moved
+-- later leaves due_ms early, which costs one reap that finds nothing and reads it afresh.
+local function deadline(zset, t, member)
+  redis.call("ZADD", zset, I(t), member)
+  local due = tonumber(lget("due_ms"))
+  if due == nil or t < due then lset("due_ms", I(t)) end
+end
+
+local function reap_due()
+  local due = lget("due_ms")
+  if due == "none" then return false end
+  due = tonumber(due)
+  return due == nil or due <= NOW
+end
+
+-- count an event (the rollout step's window is the totals less their values when the step
+-- began: drain_stats.lua, so an event is one command)
 local function stat(field, by)
-  by = by or 1
-  redis.call("HINCRBY", K.stats, field, I(by))
-  redis.call("HINCRBY", K.totals, field, I(by))
+  redis.call("HINCRBY", K.totals, field, I(by or 1))
 end
 
 local function statf(field, by)
-  redis.call("HINCRBYFLOAT", K.stats, field, tostring(by))
   redis.call("HINCRBYFLOAT", K.totals, field, tostring(by))
 end
 
@@ -146,7 +202,7 @@ local function publish(msg)
 end
 
 local function reserved()
-  return num(redis.call("HGET", K.ledger, "reserved"), 0)
+  return num(lget("reserved"), 0)
 end
 
 -- change the ledger; it never goes below zero (a clamp is counted, it signals a bug)
@@ -162,13 +218,13 @@ local function charge(delta)
     stat("ledger_clamped")
     r = 0
   end
-  redis.call("HSET", K.ledger, "reserved", I(r))
+  lset("reserved", I(r))
 end
 
 -- the gate made progress (SPEC 4): an admission other than by aging, a FIFO grant, a lease
 -- released or reclaimed, a window ended. The FIFO head ages only after max_wait_s without any.
 local function progress()
-  redis.call("HSET", K.ledger, "progress_ms", I(NOW))
+  lset("progress_ms", I(NOW))
 end
 
 -- integrate the state that held since the last script call (only scripts change it) into the
@@ -176,15 +232,15 @@ end
 -- of that time no turn of this gate was in flight (the engines had nothing of ours to do).
 -- Called on entry by every script that changes leases or the FIFO.
 local function account()
-  local last = tonumber(redis.call("HGET", K.ledger, "acc_ts"))
+  local last = tonumber(lget("acc_ts"))
   if last ~= nil and NOW <= last then return end
   if last ~= nil and redis.call("ZCARD", K.fifo) > 0 then
-    redis.call("HINCRBY", K.ledger, "acc_wait_ms", I(NOW - last))
+    lincr("acc_wait_ms", NOW - last)
     if redis.call("ZCARD", K.lease_exp) == 0 then
-      redis.call("HINCRBY", K.ledger, "acc_idle_ms", I(NOW - last))
+      lincr("acc_idle_ms", NOW - last)
     end
   end
-  redis.call("HSET", K.ledger, "acc_ts", I(NOW))
+  lset("acc_ts", I(NOW))
 end
 
 -- the run_id of the Redis process running this script (INFO server), sent back in the
@@ -203,11 +259,11 @@ end
 
 -- when the gate last made progress (ms), or nil if it never did
 local function last_progress()
-  return tonumber(redis.call("HGET", K.ledger, "progress_ms"))
+  return tonumber(lget("progress_ms"))
 end
 
 local function epoch()
-  return num(redis.call("HGET", K.ledger, "epoch"), 0)
+  return num(lget("epoch"), 0)
 end
 
 -- the typical tool gap: the geometric mean (an EWMA of the logarithm, so the heavy tail of
@@ -217,13 +273,13 @@ end
 local GAP_ALPHA, GAP_MIN_SAMPLES = 0.05, 8
 local function note_gap(ms)
   local x = math.log(math.max(ms, 1) / 1000.0)
-  local lg = tonumber(redis.call("HGET", K.ledger, "lgap"))
+  local lg = tonumber(lget("lgap"))
   if lg then x = lg + GAP_ALPHA * (x - lg) end
-  redis.call("HSET", K.ledger, "lgap", tostring(x))
-  redis.call("HINCRBY", K.ledger, "ngap", 1)
+  lset("lgap", tostring(x))
+  lincr("ngap", 1)
 end
 local function tool_gap_s()
-  local v = redis.call("HMGET", K.ledger, "lgap", "ngap")
-  if not v[1] or num(v[2], 0) < GAP_MIN_SAMPLES then return nil end
-  return math.exp(tonumber(v[1]))
+  local lg = lget("lgap")
+  if not lg or num(lget("ngap"), 0) < GAP_MIN_SAMPLES then return nil end
+  return math.exp(tonumber(lg))
 end

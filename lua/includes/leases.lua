@@ -8,7 +8,8 @@
   lease charged on its own holds its turn's prefixes, a lease under a window leaves them to
   the window.
 
-  KEYS used: leases, lease_exp, ledger, windows, window_exp, window_order, preempted
+  KEYS used: leases, lease_exp, windows, window_exp, window_order, preempted (the ledger
+    through common.lua lget, lincr)
   Knobs read: lease_ttl_ms, claim_ms (grant)
 ]]
 --@include common
@@ -21,7 +22,7 @@ local function free_lease(ticket)
   if not l then return nil end
   redis.call("HDEL", K.leases, ticket)
   redis.call("ZREM", K.lease_exp, ticket)
-  redis.call("HINCRBY", K.ledger, "n_released", 1)
+  lincr("n_released", 1)
   progress()
   if l.w == 1 then
     local win = jget(K.windows, l.s)
@@ -55,12 +56,12 @@ local function grant(ticket, session, need, prompt, prev, reason, enq_ms, win_mo
   local reuse = 0
   if prev > 0 and prompt >= prev then reuse = prev end
   reuse = math.max(reuse, math.min(need - cost(need, pre), prompt))
-  redis.call("HINCRBY", K.ledger, "tok_reusable", I(reuse))
-  redis.call("HINCRBY", K.ledger, "tok_fresh", I(prompt - reuse))
+  lincr("tok_reusable", reuse)
+  lincr("tok_fresh", prompt - reuse)
   if win_mode ~= nil then
     local win = jget(K.windows, session)
     if win == nil then
-      win = { t = 0, h = 1, ep = epoch(), x = 0, id = redis.call("HINCRBY", K.ledger, "wseq", 1) }
+      win = { t = 0, h = 1, ep = epoch(), x = 0, id = lincr("wseq", 1) }
       redis.call("ZADD", K.window_order, I(win.id), session)
       take_share(win, pre, need)
       charge(win.t)
@@ -93,7 +94,7 @@ local function grant(ticket, session, need, prompt, prev, reason, enq_ms, win_mo
     exp = NOW + math.min(P.claim_ms, P.lease_ttl_ms)
   end
   jset(K.leases, ticket, l)
-  redis.call("ZADD", K.lease_exp, I(exp), ticket)
+  deadline(K.lease_exp, exp, ticket)
   stat("admit")
   stat("admit_" .. reason)
   -- an aged admission is the liveness guard acting, not progress (SPEC 4): else every

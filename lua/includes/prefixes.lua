@@ -16,7 +16,7 @@
   A turn's prefixes, as the scripts pass them: a list of levels {k = key, t = the tokens this
   level adds to the one before it}, outermost first, or nil.
 
-  KEYS used: prefixes, ledger
+  KEYS used: prefixes (the ledger through common.lua lincr)
   Knobs read: none
 ]]
 --@include common
@@ -34,7 +34,7 @@ local function cost(need, pre)
 end
 
 local function saved(delta)
-  if delta ~= 0 then redis.call("HINCRBY", K.ledger, "psaved", I(delta)) end
+  if delta ~= 0 then lincr("psaved", delta) end
 end
 
 -- one more holder of prefix `k` declaring `t` tokens: the first one charges the prefix. A

@@ -5,7 +5,8 @@
   fit, oldest first. The record's fields: docs/keys.md#waiter; its states:
   docs/state-machines.md#waiter.
 
-  KEYS used: fifo, waiters, alive, session_waiter, preempted
+  KEYS used: fifo, waiters, alive, session_waiter, preempted, lease_exp, window_exp (the
+    earliest deadline left after a reap)
   Knobs read: none (the fit test and the grant read theirs: snapshot.lua, windows.lua,
     leases.lua)
 ]]
@@ -50,13 +51,21 @@ local function reap_waiters(limit)
 end
 
 -- bounded reclaim of all three (leases, then idle windows, then dead waiters), at most
--- `limit` of each
-local function reap(limit)
+-- `limit` of each, when one of their deadlines has passed (common.lua deadline; `always`:
+-- whatever the ledger's due_ms says, as the poller's housekeep does every tick); then the
+-- earliest deadline left is the next due_ms
+local function reap(limit, always)
   local n = { leases = 0, windows = 0, waiters = 0 }
-  if limit <= 0 then return n end
+  if limit <= 0 or not (always or reap_due()) then return n end
   n.leases = reap_leases(limit)
   n.windows = reap_windows(limit)
   n.waiters = reap_waiters(limit)
+  local due = nil
+  for _, zset in ipairs({ K.lease_exp, K.window_exp, K.alive }) do
+    local first = tonumber(redis.call("ZRANGE", zset, 0, 0, "WITHSCORES")[2])
+    if first ~= nil and (due == nil or first < due) then due = first end
+  end
+  lset("due_ms", due and I(due) or "none")
   return n
 end
 

@@ -38,7 +38,7 @@ local function window_idle(session, win)
   win.h = 0
   win.x = NOW + P.idle_grace_ms
   jset(K.windows, session, win)
-  redis.call("ZADD", K.window_exp, I(win.x), session)
+  deadline(K.window_exp, win.x, session)
 end
 
 -- does a retained admission open (or keep) an ownership window? With admission on, always:
