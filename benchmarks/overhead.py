@@ -339,16 +339,44 @@ def script_breakdown(url: str, turns: int) -> dict:
     includes = "".join(f"--@include {n}\n" for n in ("common", "snapshot", "windows", "leases", "waiters"))
     base = lua_dir()
     helpers = render(includes + "return 1", lambda n: (base / "includes" / f"{n}.lua").read_text())
-    for name, src in (("return_1", "return 1"), ("helpers_only", helpers)):
+
+    def call_us(src: str) -> float:
         s = r.register_script(src)
         s(keys=gate._keys, args=argv)
         r.config_resetstat()
         for _ in range(turns):
             s(keys=gate._keys, args=argv)
-        out[name] = {"server_us": command_stats(r)["evalsha"]["usec"] / turns}
+        return command_stats(r)["evalsha"]["usec"] / turns
+
+    for name, src in (("return_1", "return 1"), ("helpers_only", helpers)):
+        out[name] = {"server_us": call_us(src)}
+    # what one step of a script's work costs inside it: UNIT_REPEAT of it in one call, less
+    # the empty call, per step (the record is the session's window as the turns above left it)
+    record = r.hvals(gate.key("windows"))[0].decode()
+    out["units_us"] = {name: max(0.0, call_us(f"for _ = 1, {UNIT_REPEAT} do {body} end return 1")
+                                 - out["return_1"]["server_us"]) / UNIT_REPEAT
+                       for name, body in unit_steps(record).items()}
     gate.close()
     r.close()
     return out
+
+
+#: how many times a unit step runs in the call that measures it
+UNIT_REPEAT = 20
+
+
+def unit_steps(record: str) -> dict[str, str]:
+    """Lua for the steps a kvgate script is made of, each measured alone: a command called
+    from Lua (a read, a write), a stored JSON record decoded and encoded, the parameters' JSON decoded, the
+    clock, and the server's run_id (lua/includes/common.lua server_id)."""
+    lit = json.dumps(record)  # a JSON string of ASCII is a valid Lua string literal
+    return {"read command (HGET)": "redis.call('HGET', KEYS[1], 'reserved')",
+            "write command (HSET)": "redis.call('HSET', KEYS[1], 'overhead_unit', '1')",
+            "record decode": f"cjson.decode({lit})",
+            "record decode + encode": f"cjson.encode(cjson.decode({lit}))",
+            "parameters decode (ARGV[2])": "cjson.decode(ARGV[2])",
+            "TIME": "redis.call('TIME')",
+            "INFO server": "redis.call('INFO', 'server')"}
 
 
 # -- waiters queued --------------------------------------------------------------------------
@@ -655,6 +683,8 @@ def report(res: dict) -> str:
                  "an EVALSHA with a kvgate call's KEYS and ARGV"])
     rows.append(["(helpers only)", f(b["helpers_only"]["server_us"]), "0", "0", "the same, loading lua/includes"])
     parts += ["", f"a sync turn, script by script ({b['turns']} turns: {b['reasons']})", table(rows)]
+    rows = [["one step inside a script", "server us"]] + [[k, f(v)] for k, v in b["units_us"].items()]
+    parts += ["", "what a script's steps cost (each run alone, less an empty call)", table(rows)]
     rows = [["waiters", "wake p50 ms", "wake p99 ms", "handoffs/s", "server us/handoff", "scripts/handoff",
              "inner cmds/handoff", "not admitted", "re-check us", "script us/call"]]
     for w, m in res["waiters"].items():

@@ -62,6 +62,9 @@ def test_quick_run_reports_every_figure_with_sane_counts(tmp_path):
     for name in ("acquire", "release"):
         assert b[name]["inner_commands"] > 0 and b[name]["by_command"]
     assert {"return_1", "helpers_only"} <= set(b)
+    assert set(b["units_us"]) == {"read command (HGET)", "write command (HSET)", "record decode", "record decode + encode",
+                                  "parameters decode (ARGV[2])", "TIME", "INFO server"}
+    assert all(v >= 0 for v in b["units_us"].values())
 
     assert set(out["waiters"]) == {"10", "100"}
     for w, m in out["waiters"].items():

@@ -105,10 +105,10 @@ end
 
 -- the ledger hash, read whole once per call (HGETALL: a dozen small fields) and written back
 -- once, by finish(): a turn reads and writes several of its fields (the reservation, the
--- clock of the time integrals, the epoch, the counters of the budget), and every Redis
--- command a script calls costs the shared server more than the field's own work
--- (docs/benchmarks.md, where the server time goes). lget/lset/lincr are its only readers
--- and writers in the scripts.
+-- clock of the time integrals, the epoch, the counters of the budget), each one more command
+-- run from Lua and each write one more entry in the replication stream (docs/benchmarks.md,
+-- where the server time goes). lget/lset/lincr are its only readers and writers in the
+-- scripts.
 local LEDGER, LEDGER_DIRTY = nil, {}
 local function lget(field)
   if LEDGER == nil then
