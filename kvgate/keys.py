@@ -43,5 +43,14 @@ def script_keys(gate: str) -> list[str]:
 
 
 def channel(gate: str) -> str:
-    """Pub/sub channel on which scripts publish grants, preemptions and epoch bumps."""
+    """Pub/sub channel on which scripts publish epoch bumps, and the grants and preemptions of
+    waiters that name no channel of their own."""
     return key(gate, "events")
+
+
+def listener_channel(gate: str, token: str) -> str:
+    """The channel of one gate object's listener (``token`` names the object): the grants and
+    preemptions of its waiters are published there, so they wake that one process, not every
+    process subscribed to the gate's channel. Under the gate's channel name, so the same ACL
+    pattern covers both."""
+    return key(gate, f"events:{token}")

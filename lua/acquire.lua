@@ -29,6 +29,9 @@
     t0 (ms, optional): when this attempt began, sent back from a "probe" reply's b: the
       attempt's age and its place among its session's attempts count from it
     age (1, optional): the caller's clock says this attempt waited max_wait_hard_s: age it now
+    ch (str, optional): the pub/sub channel the caller's gate object listens on besides the
+      gate's (kvgate.keys.listener_channel): this attempt's grant and preemption are published
+      there if it waits; absent: on the gate's channel
     knobs: admission, residency, high_watermark, pressure_threshold, hit_threshold, headroom,
       budget_scale, staleness_ms, lease_ttl_ms, claim_ms, idle_grace_ms, alive_ms,
       max_wait_ms, max_wait_hard_ms, reap_batch, channel
@@ -39,7 +42,8 @@
     a lease, reason "aged"
   Publishes: "p <ticket>" when it preempts an older waiting attempt of the same session (an
     attempt that began before the waiting one is preempted itself instead), "g <ticket>" for
-    FIFO heads granted by the bounded advance.
+    FIFO heads granted by the bounded advance; each on the channel the waiter's record names
+    (ch), else on the gate's.
   Errors: a required parameter that is missing (includes/common.lua).
 ]]
 --@include common
@@ -140,7 +144,7 @@ if not w then
       jset(K.waiters, old, ow)
       redis.call("HINCRBY", K.preempted, session, 1)
       stat("preempted")
-      publish("p " .. old)
+      publish("p " .. old, ow.ch)
     end
     -- inherit the superseded attempt's FIFO place (also after a probe round trip)
     if ow and ow.q then
@@ -255,7 +259,7 @@ if band and probe == -1 and (P.admission ~= 1 or reserved() + cost(need, pre) <=
 end
 if not w then
   if seq == nil then seq = lincr("seq", 1) end
-  w = { s = session, n = need, p = prompt, v = prev, e = NOW, st = "w", r = P.retain }
+  w = { s = session, n = need, p = prompt, v = prev, e = NOW, st = "w", r = P.retain, ch = OPT.ch }
   if pre ~= nil then w.pk, w.pt = prefix_fields(pre) end
   if OPT.t0 ~= nil then w.b = num(OPT.t0, NOW) end  -- began before enqueueing (a probe round trip)
   jset(K.waiters, ticket, w)

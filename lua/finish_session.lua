@@ -43,7 +43,7 @@ if t then
     w.st = "f"
     jset(K.waiters, t, w)
     res.stopped = t
-    publish("p " .. t)
+    publish("p " .. t, w.ch)
   end
   redis.call("HDEL", K.session_waiter, s)
 end

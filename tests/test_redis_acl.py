@@ -19,7 +19,7 @@ from kvgate.control.poller import Poller
 from kvgate.tools.sim import SimCluster
 
 from _deployflow import core_flow
-from _gatehelpers import config, engines
+from _gatehelpers import config, engines, ledger_consistent, script
 from _simhelpers import SMALL
 from conftest import start_redis
 
@@ -111,6 +111,27 @@ def test_a_user_without_a_permission_is_told_which_at_the_first_turn(acl_server,
             driver.call(gate.write_snapshot, engines())
     finally:
         driver.close(gate)
+
+
+@pytest.mark.redis_real
+def test_a_refused_publish_leaves_the_ledger_in_step_with_the_records(acl_server):
+    # no channel pattern: Redis refuses a script's PUBLISH only when it publishes, here the
+    # grant of a waiter, after the release freed its lease and the advance granted the head.
+    # Redis keeps those writes; the ledger, written back after the body, must keep them too
+    url = acl_server([a for a in documented_acl() if not a.startswith("&")])
+    gate = kvgate.Gate.from_url(url, gate="acl", config=config(headroom=1.0, residency=False))
+    try:
+        gate.write_snapshot(engines(cap=1000))
+        held = gate.acquire("a", prompt_tokens=700, max_new_tokens=100)
+        waiter = script(gate, "acquire", ticket="t-b", session="b", need=600, prompt=500, probe=-2)
+        assert waiter["o"] == "wait"
+        with pytest.raises(kvgate.RedisAccessDenied):
+            held.release()
+        leases = gate.redis.hgetall(gate.key("leases"))
+        assert list(leases) == [b"t-b"]  # the grant stands
+        ledger_consistent(gate.redis, gate)  # reserved == the leases' and windows' charges
+    finally:
+        gate.close()
 
 
 @pytest.mark.redis_real

@@ -301,7 +301,7 @@ class _AsyncListener:
             pubsub = None
             try:
                 pubsub = self._gate.redis.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(self._gate.channel)
+                await pubsub.subscribe(self._gate.channel, self._gate.listen_channel)
                 backoff = 0.1
                 while True:
                     msg = await pubsub.get_message(timeout=1.0)

@@ -83,7 +83,10 @@ class GateBase:
         self.redis = redis_client
         self._flows = GateFlows(self.name, config, script_clock_ms=clock_ms)
         self._keys = _keys.script_keys(self.name)
+        # the listener subscribes to both: its own for its waiters' grants and preemptions, the
+        # gate's for those a script of an earlier kvgate (no ch in its waiter records) publishes
         self.channel = _keys.channel(self.name)
+        self.listen_channel = self._flows.listen_channel
         self._scripts = {n: redis_client.register_script(script_source(n)) for n in SCRIPT_NAMES}
         self._owns_client = False
 

@@ -472,6 +472,9 @@ class GateFlows:
         self.clock = clock
         self.script_clock_ms = script_clock_ms  # None: the scripts read Redis time
         self.knobs = knob_params(config, _keys.channel(name))
+        # this gate object's own channel: its waiters' grants and preemptions come there, so a
+        # grant wakes the one process that waits for it (every acquire names it: ``ch``)
+        self.listen_channel = _keys.listener_channel(name, uuid.uuid4().hex[:16])
         self._lock = threading.Lock()
         self._breaker_until = float("-inf")
         # releases and cancels Redis has not confirmed: ticket -> (script, params); sent
@@ -552,7 +555,7 @@ class GateFlows:
         no_probe = -2
         params = dict(ticket=req.ticket, session=req.session_id, need=req.need, prompt=req.prompt_tokens,
                       protected=1 if req.protected else 0, retain=1 if req.retain else 0,
-                      probe=-1 if (cfg.residency and has_probe) else no_probe)
+                      probe=-1 if (cfg.residency and has_probe) else no_probe, ch=self.listen_channel)
         if req.gap_s is not None:
             params["gap"] = round(req.gap_s * 1000.0, 1)
         if req.prev_prompt_tokens is not None:

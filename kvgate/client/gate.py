@@ -280,7 +280,8 @@ class _Listener:
             pubsub = None
             try:
                 pubsub = self._gate.redis.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(**{self._gate.channel: self._on_message})
+                pubsub.subscribe(**{self._gate.channel: self._on_message,
+                                    self._gate.listen_channel: self._on_message})
                 thread = pubsub.run_in_thread(sleep_time=0.5, daemon=True, exception_handler=self._on_error)
             except REDIS_ERRORS:
                 self._retry_at = time.monotonic() + self._retry_delay()

@@ -5,9 +5,9 @@ The scripts live in ``lua/`` at the project root and ship inside the wheel as
 ``lua/includes/`` with a line ``--@include name``; the loader inlines each include once,
 after the includes it names itself (dependency order; a cycle is an error), so a script is
 one self-contained chunk that Redis caches by SHA. What follows a script's last include line
-(its body) runs as a function, ``main``, whose answer the script returns through
-``finish`` (lua/includes/common.lua): every exit of every script writes back what the call
-buffered (the ledger's fields), whichever ``return`` it took. Each file's header block says
+(its body) runs as a function, ``main``, after which ``finish`` (lua/includes/common.lua)
+writes back what the call buffered (the ledger's fields), whichever ``return`` it took or
+error it raised (``as_main``). Each file's header block says
 what it reads (tests/test_lua_headers.py checks it).
 
 Scripts are called through redis-py's ``Script`` objects: EVALSHA first, and on NOSCRIPT
@@ -76,7 +76,11 @@ def script_source(name: str, directory: str | None = None) -> str:
 
 def as_main(rendered: str) -> str:
     """Wrap a rendered script's body (what follows its last inlined include) in ``main``, and
-    return ``finish(main())``: the one exit every script's answer takes."""
+    run it so that ``finish`` writes back what it buffered on every exit: its answer, and an
+    error raised midway too (a command Redis refused), since Redis keeps whatever the script
+    wrote before the error and the ledger must agree with it. The error is then raised as it
+    was (an error reply stays one)."""
     cut = rendered.rfind("\n-- <<< include ")
     cut = 0 if cut < 0 else rendered.index("\n", cut + 1) + 1
-    return f"{rendered[:cut]}local function main()\n{rendered[cut:]}\nend\nreturn finish(main())\n"
+    return (f"{rendered[:cut]}local function main()\n{rendered[cut:]}\nend\n"
+            "local ok, res = pcall(main)\nfinish()\nif not ok then error(res, 0) end\nreturn res\n")

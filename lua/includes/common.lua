@@ -129,8 +129,8 @@ local function lincr(field, by)
   lset(field, string.format("%d", n))
   return n
 end
--- the one exit of every script (kvgate/client/scripts.py wraps each script's body in main()
--- and returns finish(main())): write back the ledger's changed fields in one HSET
+-- what every script runs after its body, whether it returned or raised
+-- (kvgate/client/scripts.py as_main): write back the ledger's changed fields in one HSET
 local function finish(result)
   local args = {}
   for field in pairs(LEDGER_DIRTY) do
@@ -195,9 +195,12 @@ local function statf(field, by)
   redis.call("HINCRBYFLOAT", K.totals, field, tostring(by))
 end
 
-local function publish(msg)
+-- publish on the gate's channel, or on `ch`: the channel of the gate object a waiter
+-- listens on (its record's ch), so that a grant or a preemption wakes that one process and not
+-- every process of the gate ("" channel knob: no pub/sub at all)
+local function publish(msg, ch)
   if P.channel ~= "" then
-    redis.call("PUBLISH", P.channel, msg)
+    redis.call("PUBLISH", ch or P.channel, msg)
   end
 end
 

@@ -92,7 +92,7 @@ local function advance(limit, snap)
       if block_reason(snap, cost(w.n, pre)) ~= nil then break end
       drop_waiter(head, w)
       grant(head, w.s, w.n, w.p, w.v or 0, "open", w.e, win_mode, true, pre)
-      publish("g " .. head)
+      publish("g " .. head, w.ch)
       granted = granted + 1
     end
   end
