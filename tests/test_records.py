@@ -63,7 +63,8 @@ def test_the_records_have_exactly_the_documented_fields(backend):
     # a waiter that began before it enqueued (b), preempted by a newer attempt that is away
     # probing, so it still holds the FIFO place it passes on (q)
     g.write_snapshot(engines(usage=0.88, cap=1000))  # between the watermark and the guard
-    assert call("acquire", ticket="W1", session="w", need=10, probe=0.0, t0=clock() - 5)["o"] == "wait"
+    assert call("acquire", ticket="W1", session="w", need=10, probe=0.0, t0=clock() - 5,
+                ch=g._flows.listen_channel)["o"] == "wait"
     clock.advance(0.01)
     assert call("acquire", ticket="W2", session="w", need=10, probe=-1)["o"] == "probe"
     assert json.loads(g.redis.hget(g.key("waiters"), "W1")).keys() >= {"q", "b", "st"}
