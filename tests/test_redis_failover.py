@@ -483,7 +483,10 @@ def test_turns_survive_a_sentinel_failover(sentinel_group):
         # after it, so the old primary cannot have answered it) by the promoted replica
         wait_until(lambda: turns.admits_started_after(killed_at), "an admission after the failover",
                    bound_s=FAILOVER_BOUND_S, every_s=0.05)
-        assert all(g.master_port(s) == g.replica.port for s in g.sentinels)
+        # the gate asked whichever sentinel answered first; the others learn the new primary
+        # from its hello messages (one each 2 s), so they agree a little later, not at once
+        wait_until(lambda: all(g.master_port(s) == g.replica.port for s in g.sentinels),
+                   "every sentinel naming the promoted replica")
         assert role(g.replica) == "master"
         time.sleep(2.0)  # turns keep running on the new primary
         turns.join()
