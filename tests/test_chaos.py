@@ -1,6 +1,6 @@
 """Chaos: faults degrade to admission, never to an exception or a hang (SPEC section 8).
 
-Each test starts its own redis-server and breaks it: kill -9, SCRIPT FLUSH, a restart on
+Each test starts its own redis-server and breaks it: kill -9, FUNCTION FLUSH and SCRIPT FLUSH, a restart on
 the same port, CLIENT PAUSE, each under both gates (one body, the ``driver`` fixture); or
 kills a client process with SIGKILL while it waits or holds a lease; or cancels asyncio
 waiters, or aborts sync ones, also at the very moment a grant arrives. Every call that could
@@ -95,36 +95,42 @@ def test_kill9_redis_turns_degrade_without_hang(fresh_redis, driver):
         driver.close(g)
 
 
-# -- SCRIPT FLUSH -----------------------------------------------------------------------------
-def test_script_flush_between_calls_reloads_and_decides(fresh_redis, driver):
+# -- FUNCTION FLUSH, SCRIPT FLUSH -----------------------------------------------------------------------------
+@pytest.mark.parametrize("form", ["function", "eval"])
+def test_script_flush_between_calls_reloads_and_decides(fresh_redis, driver, form):
+    # the function library (FUNCTION FLUSH drops it), and the EVAL scripts a gate falls back
+    # to (SCRIPT FLUSH drops them)
     r = fresh_redis.client()
     g = driver.from_url(fresh_redis.url, gate="flush", config=_cfg())
+    if form == "eval":
+        g._caller.use_functions = False
+    flush = r.function_flush if form == "function" else r.script_flush
     try:
-        r.script_flush()
+        flush()
         driver(g.write_snapshot(_engines()))
-        r.script_flush()
+        flush()
         a = driver.call(g.acquire, "a", prompt_tokens=HOLD, max_new_tokens=0)
         assert (a.outcome, a.reason) == ("admit", "open")
-        r.script_flush()
+        flush()
         # B does not fit: the reloaded script must make it wait (not degrade), so it times out
         with pytest.raises(kvgate.AdmissionTimeout):
             driver.call(g.acquire, "b", prompt_tokens=WAIT, max_new_tokens=0, timeout_s=0.3)
         assert r.zcard(g.key("fifo")) == 0, "a timed-out waiter stays in the FIFO"
-        r.script_flush()
+        flush()
         assert driver.call(a.release) is True
-        r.script_flush()
+        flush()
         c = driver.call(g.acquire, "c", prompt_tokens=WAIT, max_new_tokens=0)
         assert (c.outcome, c.reason) == ("admit", "open")
         assert ledger_consistent(r, g) == WAIT
-        r.script_flush()
+        flush()
         assert "error" not in driver.call(g.finish_session, "c")
         assert driver.call(c.release) is True
-        r.script_flush()
+        flush()
         assert driver.call(g.housekeep, 10)["leases"] == 0
-        r.script_flush()
+        flush()
         assert driver.call(g.step_metrics)["agentic_kv/budget/degraded"] == 0.0
         assert ledger_consistent(r, g) == 0
-        r.script_flush()
+        flush()
 
         def in_turn(d):
             assert (d.outcome, d.reason) == ("admit", "open")

@@ -353,10 +353,10 @@ def test_common_lua_catalogues_match_the_client():
     h = parse_header(src, "common.lua")
     # the knobs it describes are the ones knob_params sends, no more, no fewer
     assert sorted(h.catalogue("Knobs")) == sorted(KNOBS)
-    # the gate keys, in KEYS order, as kvgate.keys passes them and as the K table names them
+    # the gate keys, in KEYS order, as kvgate.keys passes them and as begin() names them
     assert h.catalogue("Gate keys") == list(SCRIPT_KEYS)
-    table = re.search(r"local K = \{(.*?)\n\}", src, re.S).group(1)
-    assert re.findall(r"(\w+) = KEYS\[(\d+)\]", table) == [(k, str(i)) for i, k in enumerate(SCRIPT_KEYS, 1)]
+    roles = re.search(r"local KEY_ROLES = \{(.*?)\}", src, re.S).group(1)
+    assert re.findall(r'"(\w+)"', roles) == list(SCRIPT_KEYS)
 
 
 # -- the parser and the reachability, on small texts --------------------------------------------

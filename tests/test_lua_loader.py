@@ -1,6 +1,7 @@
 """The script loader (includes inlined once, after what they need; cycles and missing
-includes are errors) and the shipped copy: the wheel's kvgate/lua must equal lua/ byte for
-byte. What each script's header declares is checked in test_lua_headers.py."""
+includes are errors), its two forms (one function library, or EVAL scripts) and how a gate
+object's calls pick one (``ScriptCaller``), and the shipped copy: the wheel's kvgate/lua must
+equal lua/ byte for byte. What each script's header declares is checked in test_lua_headers.py."""
 from __future__ import annotations
 
 import subprocess
@@ -9,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import redis
 
 from kvgate.client import scripts
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,3 +66,79 @@ def test_wheel_ships_lua_identical_to_source(tmp_path):
                    if n.startswith("kvgate/lua/") and n.endswith(".lua")}
     source = {str(p.relative_to(ROOT / "lua")): p.read_bytes() for p in (ROOT / "lua").rglob("*.lua")}
     assert shipped == source
+
+
+# -- the two forms, and how a gate object picks one (no Redis: the call is a sans-I/O flow) ---
+def test_the_library_defines_each_helper_once_and_registers_every_script():
+    src, names = scripts.library_source()
+    assert src.startswith("#!lua name=kvgate_")
+    assert src.count("-- >>> include common") == 1 and "--@include" not in src
+    assert src.count("local function begin(") == 1
+    for n in scripts.SCRIPT_NAMES:
+        assert names[n].startswith("kvgate_") and names[n].endswith("_" + n)
+        assert f"redis.register_function('{names[n]}'" in src
+    # the names carry the text's digest: another text, other names
+    tag = names["acquire"].split("_")[1]
+    assert src.splitlines()[0] == f"#!lua name=kvgate_{tag}"
+
+
+def drive(caller, name, answers):
+    """Run ``caller.call`` against scripted answers, one per command it sends (an exception
+    is raised into it): (the commands sent, its result)."""
+    call = caller.call(name, ["k1", "k2"], ["", "{}"])
+    sent, reply, error = [], None, None
+    while True:
+        try:
+            cmd = call.throw(error) if error is not None else call.send(reply)
+        except StopIteration as done:
+            return sent, done.value
+        sent.append(cmd.name)
+        answer = answers.pop(0)
+        reply, error = (None, answer) if isinstance(answer, BaseException) else (answer, None)
+
+
+def test_a_call_loads_the_missing_library_and_calls_again():
+    c = scripts.ScriptCaller()
+    sent, out = drive(c, "acquire", [redis.ResponseError("ERR Function not found"), "OK", "reply"])
+    assert sent == ["fcall", "function_load", "fcall"] and out == "reply" and c.use_functions
+    # another process loaded it meanwhile: the same
+    sent, out = drive(c, "release", [redis.ResponseError("ERR Function not found"),
+                                     redis.ResponseError("ERR Library 'kvgate_x' already exists"), "r2"])
+    assert sent == ["fcall", "function_load", "fcall"] and out == "r2"
+    sent, out = drive(c, "release", ["r3"])
+    assert sent == ["fcall"] and out == "r3"
+
+
+@pytest.mark.parametrize("refusal", [
+    redis.ResponseError("ERR unknown command 'FCALL', with args beginning with: 'kvgate_x'"),  # Redis 6.2
+    redis.exceptions.NoPermissionError("this user has no permissions to run the 'fcall' command"),
+])
+def test_a_server_that_cannot_run_functions_gets_eval_from_then_on(refusal):
+    c = scripts.ScriptCaller()
+    sent, out = drive(c, "acquire", [refusal, "reply"])
+    assert sent == ["fcall", "evalsha"] and out == "reply" and c.use_functions is False
+    sent, out = drive(c, "acquire", [redis.exceptions.NoScriptError("NOSCRIPT"), "OK", "again"])
+    assert sent == ["evalsha", "script_load", "evalsha"] and out == "again"
+
+
+def test_a_refused_library_load_falls_back_to_eval():
+    c = scripts.ScriptCaller()
+    sent, out = drive(c, "acquire", [redis.ResponseError("ERR Function not found"),
+                                     redis.exceptions.NoPermissionError(
+                                         "this user has no permissions to run the 'function|load' command"),
+                                     "reply"])
+    assert sent == ["fcall", "function_load", "evalsha"] and out == "reply" and not c.use_functions
+
+
+@pytest.mark.parametrize("error", [
+    # a command refused inside the function: a configuration error, not a missing function
+    redis.ResponseError("ERR The user executing the script can't run this command or subcommand"),
+    # the function's own error (a missing parameter), and a fault
+    redis.ResponseError("ERR kvgate: missing required parameter 'ticket' in ARGV[2]"),
+    redis.ConnectionError("down"),
+])
+def test_other_errors_of_a_call_are_raised_as_they_came(error):
+    c = scripts.ScriptCaller()
+    with pytest.raises(type(error)):
+        drive(c, "acquire", [error])
+    assert c.use_functions

@@ -63,7 +63,7 @@ def test_access_probe_sends_every_required_command_but_pubsub():
     probed = set()
     for c in access.probe_commands("g").commands:
         name = c.args[0].lower()
-        probed.add(f"{name}|{c.args[1].lower()}" if name == "script" else name)
+        probed.add(f"{name}|{c.args[1].lower()}" if name in ("script", "function") else name)
     assert probed == set(access.REQUIRED_COMMANDS) - {"subscribe", "unsubscribe"}
 
 
@@ -96,7 +96,7 @@ def without(acl: list[str], *drop: str) -> list[str]:
 @pytest.mark.redis_real
 @pytest.mark.parametrize("drop, named", [
     (("+hset",), "hset"),               # refused inside a script: Redis does not say which
-    (("+evalsha",), "evalsha"),          # refused before any script runs
+    (("+fcall", "+evalsha"), "evalsha"),  # refused before any script runs, in both forms
 ])
 def test_a_user_without_a_permission_is_told_which_at_the_first_turn(acl_server, driver, drop, named):
     url = acl_server(without(documented_acl(), *drop))
@@ -109,6 +109,20 @@ def test_a_user_without_a_permission_is_told_which_at_the_first_turn(acl_server,
             assert isinstance(e.value.error, redis.ResponseError)
         with pytest.raises(kvgate.RedisAccessDenied):  # an operator's call (the poller's) too
             driver.call(gate.write_snapshot, engines())
+    finally:
+        driver.close(gate)
+
+
+@pytest.mark.redis_real
+def test_a_user_not_allowed_functions_runs_the_scripts_as_eval(acl_server, driver):
+    # the ACL line of kvgate versions that called EVAL only: the gate falls back to it
+    acl = without(documented_acl(), "+fcall", "+function|load")
+    url = acl_server(acl)
+    core_flow(driver, url)
+    gate = driver.from_url(url, gate="acl-eval", config=config())
+    try:
+        driver.call(gate.acquire, "s", prompt_tokens=10, max_new_tokens=5)
+        assert gate._caller.use_functions is False
     finally:
         driver.close(gate)
 

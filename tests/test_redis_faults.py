@@ -35,15 +35,22 @@ class FlakyRedis(fakeredis.FakeRedis):
     fail_after = 0
     before_exc: type = redis.ConnectionError  # what a fail_before raises
 
-    def evalsha(self, *args, **kw):
+    def _flaky(self, call, *args, **kw):
         if self.fail_before:
             self.fail_before -= 1
             raise self.before_exc("injected: not sent")
-        r = super().evalsha(*args, **kw)
+        r = call(*args, **kw)
         if self.fail_after:
             self.fail_after -= 1
             raise redis.TimeoutError("injected: reply lost")
         return r
+
+    # a script call is an FCALL (the function library), or an EVALSHA where functions are not run
+    def fcall(self, *args, **kw):
+        return self._flaky(super().fcall, *args, **kw)
+
+    def evalsha(self, *args, **kw):
+        return self._flaky(super().evalsha, *args, **kw)
 
 
 class AsyncFlakyRedis(fakeredis.aioredis.FakeRedis):
@@ -51,15 +58,21 @@ class AsyncFlakyRedis(fakeredis.aioredis.FakeRedis):
     fail_after = 0
     before_exc: type = redis.ConnectionError
 
-    async def evalsha(self, *args, **kw):
+    async def _flaky(self, call, *args, **kw):
         if self.fail_before:
             self.fail_before -= 1
             raise self.before_exc("injected: not sent")
-        r = await super().evalsha(*args, **kw)
+        r = await call(*args, **kw)
         if self.fail_after:
             self.fail_after -= 1
             raise redis.TimeoutError("injected: reply lost")
         return r
+
+    async def fcall(self, *args, **kw):
+        return await self._flaky(super().fcall, *args, **kw)
+
+    async def evalsha(self, *args, **kw):
+        return await self._flaky(super().evalsha, *args, **kw)
 
 
 def close_breaker(gate) -> None:

@@ -9,14 +9,14 @@ import pytest
 import redis
 
 import kvgate
-from kvgate.client.flows import RedisDown
+from kvgate.client.flows import Eval, RedisDown
 
 from _gatehelpers import engines, mkgate, script
 
 
 def raw_call(g, name: str, params: dict) -> object:
     """Call a script with exactly ``params`` (no knobs added)."""
-    return g._scripts[name](keys=g._keys, args=[str(g._flows.script_clock_ms()), json.dumps(params)])
+    return g._call_script(Eval(name, params, (str(g._flows.script_clock_ms()), json.dumps(params))))
 
 
 def test_a_missing_required_parameter_is_an_error_that_names_it(backend, clock):

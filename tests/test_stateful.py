@@ -185,8 +185,7 @@ class GateMachine(RuleBasedStateMachine):
     # -- one atomic step -------------------------------------------------------------------
     def call(self, script: str, **params) -> dict:
         pre = self.state
-        argv = list(self.gate._flows.eval_op(script, params).argv)
-        raw = self.gate._scripts[script](keys=self.gate._keys, args=argv)
+        raw = self.gate._call_script(self.gate._flows.eval_op(script, params))
         out = json.loads(raw)
         post = GateState(self.r, self.gate)
         self.check_transition(pre, post, script, params)

@@ -24,8 +24,10 @@ from .flows import Command, Pipeline
 #: in lua/, redis-py's lock scripts), lower-case as ACL rules name them. Connecting sends
 #: AUTH (always allowed); redis-py's CLIENT SETINFO may be refused (it ignores that).
 REQUIRED_COMMANDS = (
-    # calling the scripts (redis-py's Script: EVALSHA, and SCRIPT LOAD on NOSCRIPT)
-    "evalsha", "script|load",
+    # calling the scripts (kvgate/client/scripts.py ScriptCaller): the function library (FCALL,
+    # and FUNCTION LOAD where the server lacks it); EVALSHA and SCRIPT LOAD where the server
+    # has no functions (Redis 6.2) or the user may not run them
+    "fcall", "function|load", "evalsha", "script|load",
     # inside kvgate's scripts, and the gate's plain reads and counters
     "hget", "hmget", "hgetall", "hvals", "hlen", "hrandfield", "hset", "hincrby", "hincrbyfloat",
     "hdel", "zadd", "zcard", "zrange", "zrangebyscore", "zrank", "zrevrange", "zscore", "zrem",
@@ -63,6 +65,8 @@ def probe_commands(gate: str) -> Pipeline:
         ("GET", s), ("SET", s, "0", "PX", 60000), ("PEXPIRE", s, 60000), ("PTTL", s),
         ("TIME",), ("INFO", "server"), ("PUBLISH", _keys.channel(gate), "c access-check"),
         ("SCRIPT", "LOAD", "return 0"), ("EVALSHA", "0" * 40, 0),
+        # a function that does not exist, and a library that fails to load: nothing is kept
+        ("FCALL", "kvgate_access_check", 0), ("FUNCTION", "LOAD", "#!lua name=kvgate_access_check\nerror('check')"),
         ("DEL", h, z, s),
     ]
     return Pipeline(tuple(Command("execute_command", c) for c in calls))
@@ -75,7 +79,7 @@ def refused_in(probe: Pipeline, replies: Sequence[Any]) -> list[str]:
     out = []
     for cmd, reply in zip(probe.commands, replies):
         if isinstance(reply, redis.exceptions.NoPermissionError):
-            name = " ".join(str(a) for a in cmd.args[:2]) if cmd.args[0] == "SCRIPT" else str(cmd.args[0])
+            name = " ".join(str(a) for a in cmd.args[:2]) if cmd.args[0] in ("SCRIPT", "FUNCTION") else str(cmd.args[0])
             out.append(f"{name.lower()} (NOPERM {reply})")
     return out
 

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from . import access
 from . import base as _base
-from .base import GateBase, Lease, json_reply, ticket_to_wake, wait_step
+from .base import GateBase, Lease, json_reply, script_step, ticket_to_wake, wait_step
 from .flows import Eval, Probe, RedisDown, Run
 from .lifecycle import CloseResult, aclose_session
 from .probe import ProbeResult, ProbeThreads, coerce
@@ -157,12 +157,24 @@ class AsyncGate(GateBase):
     async def _eval(self, op: Eval) -> dict:
         self._bind_loop()
         try:
-            raw = await wait_for(self._scripts[op.script](keys=self._keys, args=list(op.argv)), self._deadline_s())
+            raw = await self._call_script(op)
         except (*REDIS_ERRORS, ValueError) as e:  # ValueError: a socket closed under the call
             if access.is_refusal(e):
                 raise await self._refused(e) from e  # a configuration error, not a fault
             raise RedisDown(str(e) or type(e).__name__, e) from e
         return json_reply(raw)
+
+    async def _call_script(self, op: Eval) -> Any:
+        """See ``Gate._call_script``; each command within the call's deadline."""
+        call = self._caller.call(op.script, self._keys, op.argv)
+        done, out = script_step(call)
+        while not done:
+            try:
+                reply, error = await wait_for(self._send_commands(out), self._deadline_s()), None
+            except Exception as e:  # noqa: BLE001 - thrown into the call, which raises what it does not handle
+                reply, error = None, e
+            done, out = script_step(call, reply, error)
+        return out
 
     async def _command(self, op: Any) -> Any:
         self._bind_loop()

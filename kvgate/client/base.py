@@ -16,7 +16,7 @@ from ..config import GateConfig
 from . import access
 from .flows import AccessDenied, Command, Decision, GateFlows, Pipeline
 from .probe import as_probe
-from .scripts import SCRIPT_NAMES, script_source
+from .scripts import ScriptCaller
 from .snapshot import EngineState
 
 # what counts as a Redis fault for both drivers (the async one adds its own deadline).
@@ -40,6 +40,16 @@ def ticket_to_wake(msg: dict) -> str | None:
         return None
     kind, arg = data.split(" ", 1)
     return arg if kind in ("g", "p") else None
+
+
+def script_step(call: Generator, reply: Any = None, error: BaseException | None = None) -> tuple[bool, Any]:
+    """Advance a script call (``ScriptCaller.call``) with its last command's reply, or the
+    error that command raised: (False, the next command to send) or (True, the script's
+    reply). An error the call does not handle is raised here."""
+    try:
+        return False, (call.throw(error) if error is not None else call.send(reply))
+    except StopIteration as done:
+        return True, done.value
 
 
 def wait_step(deadline: float, abort_event: Any, poll_abort: bool) -> str | float:
@@ -87,7 +97,7 @@ class GateBase:
         # gate's for those a script of an earlier kvgate (no ch in its waiter records) publishes
         self.channel = _keys.channel(self.name)
         self.listen_channel = self._flows.listen_channel
-        self._scripts = {n: redis_client.register_script(script_source(n)) for n in SCRIPT_NAMES}
+        self._caller = ScriptCaller()
         self._owns_client = False
 
     @classmethod

@@ -15,7 +15,7 @@ from redis.retry import Retry
 
 from .._urls import is_sentinel_url
 from . import access
-from .base import REDIS_ERRORS, GateBase, _socket_kw, sentinel_url, Lease, json_reply, ticket_to_wake, wait_step
+from .base import REDIS_ERRORS, GateBase, _socket_kw, sentinel_url, Lease, json_reply, script_step, ticket_to_wake, wait_step
 from .flows import Eval, Probe, RedisDown, Run
 from .lifecycle import CloseResult, close_session
 from .probe import ProbeResult, ProbeThreads, coerce
@@ -111,7 +111,7 @@ class Gate(GateBase):
         with self._calls_cv:
             self._calls += 1
         try:
-            raw = self._scripts[op.script](keys=self._keys, args=list(op.argv))
+            raw = self._call_script(op)
         except Exception as e:  # noqa: BLE001 - only the call is in here: any failure of it is a fault
             if access.is_refusal(e):
                 raise self._refused(e) from e  # a configuration error, not a fault
@@ -123,6 +123,19 @@ class Gate(GateBase):
                 self._calls -= 1
                 self._calls_cv.notify_all()
         return json_reply(raw)
+
+    def _call_script(self, op: Eval) -> Any:
+        """The reply of one script call: the commands ``ScriptCaller.call`` asks for, one by one
+        (one FCALL, unless the library must be loaded first or the server runs EVAL only)."""
+        call = self._caller.call(op.script, self._keys, op.argv)
+        done, out = script_step(call)
+        while not done:
+            try:
+                reply, error = self._send_commands(out), None
+            except Exception as e:  # noqa: BLE001 - thrown into the call, which raises what it does not handle
+                reply, error = None, e
+            done, out = script_step(call, reply, error)
+        return out
 
     def _command(self, op: Any) -> Any:
         try:

@@ -60,37 +60,58 @@
   KEYS used: ledger, fifo, totals, lease_exp
   Knobs read: channel
 ]]
-local K = {
-  ledger = KEYS[1], snapshot = KEYS[2], fifo = KEYS[3], waiters = KEYS[4], alive = KEYS[5],
-  session_waiter = KEYS[6], leases = KEYS[7], lease_exp = KEYS[8], windows = KEYS[9],
-  window_exp = KEYS[10], stats = KEYS[11], totals = KEYS[12], preempted = KEYS[13],
-  window_order = KEYS[14], prefixes = KEYS[15],
-}
+-- what one call works on, set by begin() at its start: the scripts are also loaded once as a
+-- Redis function library (kvgate/client/scripts.py library_source), whose helpers outlive a
+-- call, so nothing of one call may linger in them for the next
+local K = {}  -- role -> key name
+local KEY_ROLES = { "ledger", "snapshot", "fifo", "waiters", "alive", "session_waiter", "leases",
+  "lease_exp", "windows", "window_exp", "stats", "totals", "preempted", "window_order", "prefixes" }
+local NOW = 0
+-- the parameters: OPT.<name> is nil when absent
+local OPT = {}
+-- the ledger hash, read whole once per call (HGETALL: a dozen small fields) and written back
+-- once, by finish(): a turn reads and writes several of its fields (the reservation, the
+-- clock of the time integrals, the epoch, the counters of the budget), each one more command
+-- run from Lua and each write one more entry in the replication stream (docs/benchmarks.md,
+-- where the server time goes). lget/lset/lincr are its only readers and writers in the
+-- scripts.
+local LEDGER, LEDGER_DIRTY = nil, {}
+-- set when this call gave tokens back to the ledger (a reap, a window ended): the FIFO head
+-- may fit now, and acquire.lua's out() runs the bounded advance before it answers
+local FREED = false
 
-local function now_ms()
-  if ARGV[1] ~= nil and ARGV[1] ~= "" then
-    return math.floor(tonumber(ARGV[1]))
+-- ARGV[1]: the injected clock, or "" for the Redis server's
+local function now_ms(clock)
+  if clock ~= nil and clock ~= "" then
+    return math.floor(tonumber(clock))
   end
   local t = redis.call("TIME")
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local NOW = now_ms()
--- the parameters: OPT.<name> is nil when absent; a JSON null is an absent parameter (cjson
--- decodes it as a sentinel that is not nil)
-local OPT = cjson.decode(ARGV[2] or "{}")
-for k, v in pairs(OPT) do
-  if v == cjson.null then OPT[k] = nil end
-end
 -- P.<name>: a required parameter; reading a missing one is an error naming it (level 2: the
--- error points at the line that read it)
-local P = setmetatable({}, { __index = function(_, name)
+-- error points at the line that read it). Its metatable is set by begin(): a function
+-- library's load may not call setmetatable, only its functions may
+local P = {}
+local P_META = { __index = function(_, name)
   local v = OPT[name]
   if v == nil then
     error("kvgate: missing required parameter '" .. tostring(name) .. "' in ARGV[2]", 2)
   end
   return v
-end })
+end }
+
+local function begin(keys, argv)
+  setmetatable(P, P_META)
+  for i, role in ipairs(KEY_ROLES) do K[role] = keys[i] end
+  NOW = now_ms(argv[1])
+  -- a JSON null is an absent parameter (cjson decodes it as a sentinel that is not nil)
+  OPT = cjson.decode(argv[2] or "{}")
+  for k, v in pairs(OPT) do
+    if v == cjson.null then OPT[k] = nil end
+  end
+  LEDGER, LEDGER_DIRTY, FREED = nil, {}, false
+end
 
 -- integer to string, for HINCRBY / ZADD / HSET arguments (avoids "1.7e+12" forms)
 local function I(n)
@@ -103,13 +124,6 @@ local function num(v, default)
   return n
 end
 
--- the ledger hash, read whole once per call (HGETALL: a dozen small fields) and written back
--- once, by finish(): a turn reads and writes several of its fields (the reservation, the
--- clock of the time integrals, the epoch, the counters of the budget), each one more command
--- run from Lua and each write one more entry in the replication stream (docs/benchmarks.md,
--- where the server time goes). lget/lset/lincr are its only readers and writers in the
--- scripts.
-local LEDGER, LEDGER_DIRTY = nil, {}
 local function lget(field)
   if LEDGER == nil then
     LEDGER = {}
@@ -140,6 +154,18 @@ local function finish(result)
   if #args > 0 then redis.call("HSET", K.ledger, unpack(args)) end
   LEDGER_DIRTY = {}
   return result
+end
+
+-- one call of a script's body, `main` (kvgate/client/scripts.py): begin, the body, and
+-- finish() on every exit: its answer, and an error raised midway too (a command Redis
+-- refused), since Redis keeps whatever the body wrote before the error and the ledger must
+-- agree with it. The error is then raised as it was (an error reply stays one).
+local function run(keys, argv, main)
+  begin(keys, argv)
+  local ok, res = pcall(main)
+  finish()
+  if not ok then error(res, 0) end
+  return res
 end
 
 local function jget(key, field)
@@ -209,10 +235,6 @@ local function reserved()
 end
 
 -- change the ledger; it never goes below zero (a clamp is counted, it signals a bug)
--- set when this call gave tokens back to the ledger (a reap, a window ended): the FIFO head
--- may fit now, and acquire.lua's out() runs the bounded advance before it answers
-local FREED = false
-
 local function charge(delta)
   if delta == 0 then return end
   if delta < 0 then FREED = true end
@@ -251,13 +273,19 @@ end
 -- the gate's state (a promoted replica, a restart), which may lack writes it saw acknowledged
 -- (replication is asynchronous), and sends its recent releases and cancels again
 -- (docs/decisions.md#failover-replays-give-backs). nil where scripts cannot call INFO (fakeredis).
+-- Loaded as a function library, the helpers live as long as the server process, and so does
+-- SERVER_ID: read once per process (an EVAL script reads it on every call).
+local SERVER_ID = nil
 local function server_id()
+  if SERVER_ID ~= nil then return SERVER_ID end
   local info = redis.pcall("INFO", "server")
   if type(info) == "table" and info.err then
-    if string.find(string.lower(tostring(info.err)), "unknown command", 1, true) then return nil end
+    local err = string.lower(tostring(info.err))
+    if string.find(err, "unknown", 1, true) and string.find(err, "command", 1, true) then return nil end
     info = redis.call("INFO", "server")  -- anything else (an ACL refusal) raised as Redis words it
   end
-  return string.match(info, "run_id:(%x+)")
+  SERVER_ID = string.match(info, "run_id:(%x+)")
+  return SERVER_ID
 end
 
 -- when the gate last made progress (ms), or nil if it never did
