@@ -3,27 +3,30 @@
     python benchmarks/overhead.py [--quick] [--json] [--rounds N]
 
 Starts its own redis-server (kvgate.tools.bench's embedded one; the binary is required:
-fakeredis would measure fakeredis) and measures, in one run, three subjects side by side:
+fakeredis would measure fakeredis) and measures, in one run, four subjects side by side:
 
 - ``kvgate``: one turn, ``Gate.acquire`` + ``Lease.release`` of a 5,000-token prompt (50 new
   tokens) on a gate with a fresh snapshot and room to spare, so every turn is admitted at once
   (the gate's floor: not degraded, not waiting). Sessions repeat, as an agent's do: after its
   first turn a session enters through its ownership window (reason ``reserved_session``).
+- ``kvgate-eval``: the same turn on a gate that calls the scripts' EVAL form (a server without
+  functions), beside the function library the ``kvgate`` subject calls (kvgate/client/scripts.py).
 - ``lock``: redis-py ``Lock`` acquire (SET NX PX) + release (a two-command script).
 - ``ping``: two bare PINGs (two round trips that do no work: the wire's floor).
 
-Each is measured from one sync client and from one asyncio loop (``AsyncGate``, redis.asyncio)
-with 1, 16, 64 and 256 concurrent callers. Rounds interleave the subjects (their order rotates
+Each is measured from one sync client, and all but ``kvgate-eval`` from one asyncio loop
+(``AsyncGate``, redis.asyncio) with 1, 16, 64 and 256 concurrent callers. Rounds interleave the subjects (their order rotates
 each round), and the table shows each figure's median over the rounds. Per subject: p50 / p99
 latency of one operation, operations per second, and from ``INFO commandstats`` (reset with
 ``CONFIG RESETSTAT`` before each block): the server's microseconds per operation (the
 commands the client sent; a script's time includes the commands it runs), the script calls
-per operation (EVALSHA) and the Redis commands run inside scripts per operation.
+per operation (FCALL, or EVALSHA) and the Redis commands run inside scripts per operation.
 
 A breakdown pass then splits a sync turn script by script (acquire, release): server
 microseconds, inner commands by name, and what a call of a kvgate script costs before its
-body runs: an EVALSHA of ``return 1`` with the same KEYS and ARGV, and one that only loads
-the shared helpers (``lua/includes``) every kvgate script starts with.
+body runs: an EVALSHA of ``return 1`` with the same KEYS and ARGV, one that only loads
+the shared helpers (``lua/includes``) every EVAL script starts with, and an FCALL of an empty
+body in a library of those helpers (the function form's fixed cost).
 
 Last, the same gate with 10, 1,000 and 10,000 waiters queued (an asyncio crowd in a child
 process, stopped by pid): one lease fills the gate's ceiling, the waiters wait in its FIFO,
@@ -85,7 +88,10 @@ STALENESS_S = 3600.0
 CONCURRENCY = (1, 16, 64, 256)
 WAITERS = (10, 1_000, 10_000)
 #: the commands a client sends itself; every other command in commandstats ran in a script
-CLIENT_COMMANDS = {"kvgate": {"evalsha", "eval", "script|load"},
+#: a script call: kvgate's function library (FCALL), or an EVAL script (kvgate's EVAL form, the Lock's)
+SCRIPT_CALLS = {"fcall", "evalsha", "eval"}
+CLIENT_COMMANDS = {"kvgate": SCRIPT_CALLS | {"script|load", "function|load"},
+                   "kvgate-eval": SCRIPT_CALLS | {"script|load", "function|load"},
                    "lock": {"set", "evalsha", "eval", "script|load"},
                    "ping": {"ping"}}
 #: commands of the benchmark's own bookkeeping, never counted
@@ -132,7 +138,7 @@ def per_op(stats: dict[str, dict], client: set[str], n: int) -> dict:
     calls, and the commands that ran inside scripts."""
     sent_us = sum(v["usec"] for k, v in stats.items() if k in client)
     inner = {k: v for k, v in stats.items() if k not in client}
-    scripts = sum(v["calls"] for k, v in stats.items() if k in ("evalsha", "eval"))
+    scripts = sum(v["calls"] for k, v in stats.items() if k in SCRIPT_CALLS)
     return {"server_us": sent_us / n, "script_calls": scripts / n,
             "inner_commands": sum(v["calls"] for v in inner.values()) / n,
             "inner_us": sum(v["usec"] for v in inner.values()) / n}
@@ -184,14 +190,16 @@ def client_kw() -> dict:
 
 
 # -- one sync client ------------------------------------------------------------------------
-def sync_subjects(r: redis.Redis, gate: kvgate.Gate) -> dict[str, Callable[[int], Any]]:
+def sync_subjects(r: redis.Redis, gate: kvgate.Gate, eval_gate: kvgate.Gate) -> dict[str, Callable[[int], Any]]:
     ids = list(range(3, 3 + PROMPT))
 
-    def turn(i: int) -> None:
-        lease = gate.acquire(f"s{i % SESSIONS}", prompt_ids=ids, max_new_tokens=NEW_TOKENS)
-        if not lease.admitted:
-            raise RuntimeError(f"an uncontended turn was not admitted: {lease!r}")
-        lease.release()
+    def turn_on(g: kvgate.Gate) -> Callable[[int], None]:
+        def turn(i: int) -> None:
+            lease = g.acquire(f"s{i % SESSIONS}", prompt_ids=ids, max_new_tokens=NEW_TOKENS)
+            if not lease.admitted:
+                raise RuntimeError(f"an uncontended turn was not admitted: {lease!r}")
+            lease.release()
+        return turn
 
     def lock(i: int) -> None:
         lk = r.lock(f"bench:lock:{i % SESSIONS}", timeout=10)
@@ -203,14 +211,23 @@ def sync_subjects(r: redis.Redis, gate: kvgate.Gate) -> dict[str, Callable[[int]
         r.ping()
         r.ping()
 
-    return {"kvgate": turn, "lock": lock, "ping": ping}
+    return {"kvgate": turn_on(gate), "kvgate-eval": turn_on(eval_gate), "lock": lock, "ping": ping}
+
+
+def eval_form(gate: kvgate.Gate) -> kvgate.Gate:
+    """``gate`` calling the scripts' EVAL form, as on a server without functions
+    (kvgate/client/scripts.py ScriptCaller)."""
+    gate._caller.use_functions = False
+    return gate
 
 
 def run_sync(url: str, rounds: int, ops: int) -> dict:
     r = redis.Redis.from_url(url, **client_kw())
     gate = kvgate.Gate(r, gate="overhead-sync", config=config())
     gate.write_snapshot(engine(ROOMY_TOKENS))
-    subjects = sync_subjects(r, gate)
+    eval_gate = eval_form(kvgate.Gate(r, gate="overhead-sync-eval", config=config()))
+    eval_gate.write_snapshot(engine(ROOMY_TOKENS))
+    subjects = sync_subjects(r, gate, eval_gate)
     for fn in subjects.values():  # warm-up: scripts loaded, connection made, sessions' windows open
         for i in range(2 * SESSIONS):
             fn(i)
@@ -228,6 +245,7 @@ def run_sync(url: str, rounds: int, ops: int) -> dict:
             elapsed = time.perf_counter() - t0
             blocks[name].append(block_figures(lat, elapsed, command_stats(r), CLIENT_COMMANDS[name]))
     gate.close()
+    eval_gate.close()
     r.close()
     return {k: medians(v) for k, v in blocks.items()}
 
@@ -323,9 +341,9 @@ def script_breakdown(url: str, turns: int) -> dict:
             b = command_stats(r)
             reasons[lease.reason] += 1
             for name, st in (("acquire", a), ("release", b)):
-                us[name].append(st.get("evalsha", {}).get("usec", 0))
+                us[name].append(sum(v["usec"] for k, v in st.items() if k in SCRIPT_CALLS))
                 for k, v in st.items():
-                    if k != "evalsha":
+                    if k not in SCRIPT_CALLS:
                         per[name][k] += v["calls"]
                         inner_us[name] += v["usec"]
     out: dict[str, Any] = {"turns": turns, "reasons": dict(reasons)}
@@ -350,6 +368,16 @@ def script_breakdown(url: str, turns: int) -> dict:
 
     for name, src in (("return_1", "return 1"), ("helpers_only", helpers)):
         out[name] = {"server_us": call_us(src)}
+    # the same fixed cost in the function form: the helpers load once with the library, and a
+    # call runs begin and finish around its body (here an empty one)
+    r.function_load("#!lua name=kvgate_overhead_probe\n" + render(includes, lambda n: (base / "includes" / f"{n}.lua").read_text())
+                    + "\nredis.register_function('kvgate_overhead_empty', function(keys, argv) "
+                      "return run(keys, argv, function() return 1 end) end)\n", replace=True)
+    r.config_resetstat()
+    for _ in range(turns):
+        r.fcall("kvgate_overhead_empty", len(gate._keys), *gate._keys, *argv)
+    out["function_empty"] = {"server_us": command_stats(r)["fcall"]["usec"] / turns}
+    r.function_delete("kvgate_overhead_probe")
     # what one step of a script's work costs inside it: UNIT_REPEAT of it in one call, less
     # the empty call, per step (the record is the session's window as the turns above left it)
     record = r.hvals(gate.key("windows"))[0].decode()
@@ -507,7 +535,7 @@ def recheck_cost(r: Any, gate: kvgate.Gate, node: redis.Redis) -> float:
         out = gate._eval(gate._flows.eval_op("acquire", params))
         if out["o"] != "wait":
             raise RuntimeError(f"a re-check of a queued waiter did not wait: {out}")
-    return command_stats(node)["evalsha"]["usec"] / len(sample)
+    return sum(v["usec"] for k, v in command_stats(node).items() if k in SCRIPT_CALLS) / len(sample)
 
 
 def run_crowd(r: redis.Redis, url: str, name: str, w: int, handoff_s: float, procs: int = 1) -> dict:
@@ -541,7 +569,9 @@ def run_crowds(r: Any, url: str, crowds: dict[str, tuple[int, int]], handoff_s: 
         gate = gates[name] = kvgate.Gate(r, gate=name, config=crowd_config())
         # a ceiling (capacity x headroom 0.9) that holds one turn and not two
         gate.write_snapshot(engine(int((PROMPT + NEW_TOKENS) * 1.5 / 0.9)))
-        shas.update({gate._scripts[s].sha: s for s in SCRIPT_NAMES})
+        # a slowlog entry names the function (FCALL) or the script's SHA (EVALSHA)
+        shas.update({gate._caller.functions[s]: s for s in SCRIPT_NAMES})
+        shas.update({gate._caller.shas[s]: s for s in SCRIPT_NAMES})
     by_key = {kvkeys.key(name, "ledger"): name for name in crowds}
 
     def queued(name: str, parent: Any) -> None:
@@ -595,7 +625,7 @@ def run_crowds(r: Any, url: str, crowds: dict[str, tuple[int, int]], handoff_s: 
     for e in slow:
         cmd = e["command"].split() if isinstance(e["command"], (bytes, str)) else e["command"]
         cmd = [c.decode() if isinstance(c, bytes) else c for c in cmd]
-        if len(cmd) > 3 and cmd[0].lower() == "evalsha" and cmd[1] in shas and cmd[3] in by_key:
+        if len(cmd) > 3 and cmd[0].lower() in SCRIPT_CALLS and cmd[1] in shas and cmd[3] in by_key:
             by_script[by_key[cmd[3]]].setdefault(shas[cmd[1]], []).append(int(e["duration"]))
     handoffs = {name: sum(x["handoffs"] for x in res) for name, res in results.items()}
     node_out = {}
@@ -681,7 +711,10 @@ def report(res: dict) -> str:
                      " ".join(f"{k}={v:g}" for k, v in m["by_command"].items())])
     rows.append(["(return 1)", f(b["return_1"]["server_us"]), "0", "0",
                  "an EVALSHA with a kvgate call's KEYS and ARGV"])
-    rows.append(["(helpers only)", f(b["helpers_only"]["server_us"]), "0", "0", "the same, loading lua/includes"])
+    rows.append(["(helpers only)", f(b["helpers_only"]["server_us"]), "0", "0",
+                 "the same, loading lua/includes: what the EVAL form pays on every call"])
+    rows.append(["(empty function)", f(b["function_empty"]["server_us"]), "0", "0",
+                 "an FCALL of an empty body through run (begin, finish): what the function form pays"])
     parts += ["", f"a sync turn, script by script ({b['turns']} turns: {b['reasons']})", table(rows)]
     rows = [["one step inside a script", "server us"]] + [[k, f(v)] for k, v in b["units_us"].items()]
     parts += ["", "what a script's steps cost (each run alone, less an empty call)", table(rows)]

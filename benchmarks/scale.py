@@ -15,7 +15,7 @@ across processes, for ``--handoff-s``. Per level:
 - the wake-up latency from a release to the next head's admission, p50 / p99, over every
   process's events in time order (one monotonic clock per machine);
 - the Redis server's microseconds per script call, and the Redis commands per admission: the
-  script calls (EVALSHA) plus the commands they run, from ``INFO commandstats`` (reset before
+  script calls (FCALL, or EVALSHA) plus the commands they run, from ``INFO commandstats`` (reset before
   the hand-offs); and what one waiter's re-check costs the server (each waiter sends one per
   ``CROWD_POLL_S``, see overhead.py for why not the default ``wait_poll_s``).
 

@@ -40,14 +40,16 @@ def test_quick_run_reports_every_figure_with_sane_counts(tmp_path):
     assert out["prompt_tokens"] == 5000 and out["rounds"] == 2
 
     sync = out["sync"]
-    assert set(sync) == {"kvgate", "lock", "ping"}
+    assert set(sync) == {"kvgate", "kvgate-eval", "lock", "ping"}
     for m in sync.values():
         assert set(m) == BLOCK_KEYS
         assert m["ops_per_s"] > 0 and m["p50_ms"] <= m["p99_ms"]
     # an uncontended turn is a whole number of script calls (acquire, release), each running
     # commands; a Lock is one script (its release) of two commands; a PING runs none
-    assert integer_ish(sync["kvgate"]["script_calls"]) and sync["kvgate"]["script_calls"] >= 2
-    assert sync["kvgate"]["inner_commands"] > 0 and sync["kvgate"]["server_us"] > 0
+    # (the same turn in either form of the scripts: the function library, or EVAL)
+    for form in ("kvgate", "kvgate-eval"):
+        assert integer_ish(sync[form]["script_calls"]) and sync[form]["script_calls"] >= 2
+        assert sync[form]["inner_commands"] > 0 and sync[form]["server_us"] > 0
     assert sync["lock"]["script_calls"] == 1 and sync["lock"]["inner_commands"] == 2
     assert sync["ping"]["script_calls"] == 0 and sync["ping"]["inner_commands"] == 0
 
@@ -61,7 +63,8 @@ def test_quick_run_reports_every_figure_with_sane_counts(tmp_path):
     assert b["turns"] == 30 and sum(b["reasons"].values()) == 30
     for name in ("acquire", "release"):
         assert b[name]["inner_commands"] > 0 and b[name]["by_command"]
-    assert {"return_1", "helpers_only"} <= set(b)
+    assert {"return_1", "helpers_only", "function_empty"} <= set(b)
+    assert all(b[k]["server_us"] > 0 for k in ("return_1", "helpers_only", "function_empty"))
     assert set(b["units_us"]) == {"read command (HGET)", "write command (HSET)", "record decode", "record decode + encode",
                                   "parameters decode (ARGV[2])", "TIME", "INFO server"}
     assert all(v >= 0 for v in b["units_us"].values())
