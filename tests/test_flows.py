@@ -353,3 +353,15 @@ def test_bad_arguments_fail_before_any_operation():
     with pytest.raises(ValueError, match="session_id"):
         next(f.num_preempted("x" * (F.MAX_SESSION_ID + 1)))
     assert isinstance(BreakerOpen("x"), RedisDown)
+
+
+def test_a_calls_argv_is_the_knobs_and_its_parameters_as_one_json_object():
+    # the knobs' JSON is written once and each call's parameters added to it: the same object
+    # as encoding both together, a parameter named like a knob included
+    f = GateFlows("g", kvgate.GateConfig())
+    for params in ({}, {"ticket": "t", "need": 5, "prefixes": [["k", 3]]}, {"staleness_ms": 1}):
+        raw = f.eval_op("acquire", params).argv[1]
+        assert json.loads(raw) == {**f.knobs, **params}
+        assert raw == json.dumps({**f.knobs, **params}, separators=(",", ":"))
+    f.knobs = {k: v for k, v in f.knobs.items() if k != "channel"}
+    assert "channel" not in json.loads(f.eval_op("release", {"ticket": "t"}).argv[1])

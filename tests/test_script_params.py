@@ -51,7 +51,7 @@ def test_optional_parameters_may_be_left_out(backend, clock):
 def test_the_client_surfaces_a_missing_knob_as_it_surfaces_any_script_error(backend, clock):
     g = mkgate(backend, clock, gate="sp")
     g.write_snapshot(engines(usage=0.1))
-    del g._flows.knobs["staleness_ms"]
+    g._flows.knobs = {k: v for k, v in g._flows.knobs.items() if k != "staleness_ms"}
     # the turn path: a script error is a fault, so the turn fails open (SPEC 8)
     with pytest.raises(RedisDown, match="missing required parameter 'staleness_ms'"):
         g._eval(g._flows.eval_op("acquire", dict(ticket="t", session="s", need=1, prompt=1, protected=0,

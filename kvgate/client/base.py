@@ -92,7 +92,8 @@ class GateBase:
         self.probe = probe
         self.redis = redis_client
         self._flows = GateFlows(self.name, config, script_clock_ms=clock_ms)
-        self._keys = _keys.script_keys(self.name)
+        # encoded once: redis-py encodes every str argument of every call (15 keys a script call)
+        self._keys = tuple(k.encode() for k in _keys.script_keys(self.name))
         # the listener subscribes to both: its own for its waiters' grants and preemptions, the
         # gate's for those a script of an earlier kvgate (no ch in its waiter records) publishes
         self.channel = _keys.channel(self.name)

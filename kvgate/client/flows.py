@@ -416,6 +416,10 @@ def check_prefixes(prefix_key: Any, prefix_tokens: Any, n_prompt: int) -> tuple[
     return tuple((k, t) for k, t in zip(keys, toks) if t > 0)
 
 
+def _json(obj: dict) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
 def knob_params(cfg: GateConfig, channel: str) -> dict:
     """The knobs sent with every script call (lua/includes/common.lua lists them, each
     script's header names the ones it reads; a missing one is a script error: the defaults
@@ -495,11 +499,26 @@ class GateFlows:
     def key(self, name: str) -> str:
         return _keys.key(self.name, name)
 
+    @property
+    def knobs(self) -> dict:
+        """The knobs every script call sends (``knob_params``); set a new dict to change them."""
+        return self._knobs
+
+    @knobs.setter
+    def knobs(self, knobs: dict) -> None:
+        self._knobs = dict(knobs)
+        # their JSON, written once: a call adds its own parameters to it
+        self._knobs_json = _json(self._knobs)
+
     def eval_op(self, script: str, params: dict) -> Eval:
         """The call of ``script``: ARGV[1] the injected script clock (empty: Redis time),
         ARGV[2] the knobs with ``params`` as JSON."""
         now = "" if self.script_clock_ms is None else str(int(self.script_clock_ms()))
-        return Eval(script, params, (now, json.dumps({**self.knobs, **params}, separators=(",", ":"))))
+        if not params:
+            return Eval(script, params, (now, self._knobs_json))
+        if not self._knobs or self._knobs.keys() & params.keys():
+            return Eval(script, params, (now, _json({**self._knobs, **params})))
+        return Eval(script, params, (now, self._knobs_json[:-1] + "," + _json(params)[1:]))
 
     # -- a turn ---------------------------------------------------------------------------
     def acquire(self, session_id: Any, *, has_probe: bool, **kw: Any) -> Flow:
