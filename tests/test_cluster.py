@@ -7,6 +7,7 @@ Runs against the 3-master ``redis_cluster`` fixture with redis-py's ``RedisClust
   bump_epoch / drain_stats) runs through ``kvgate.Gate(RedisCluster(...))``, including a
   turn that waits in the FIFO and is granted by another turn's release;
 - two gates whose slots live on different nodes both work, independently;
+- a node that lost the function library (FUNCTION FLUSH) gets it again from the next call;
 - a gate from a cluster URL, sync or asyncio (``redis.asyncio.cluster.RedisCluster``),
   does all of that too, and reports its status (one test body, the ``driver`` fixture).
 """
@@ -159,6 +160,29 @@ def test_two_gates_on_different_nodes_both_work(cluster_client):
     finally:
         g1._listener.close()
         g2._listener.close()
+
+
+def test_a_node_that_lost_the_function_library_gets_it_again(redis_cluster, driver):
+    # FUNCTION FLUSH on the gate's node alone (as a node added or restarted empty): the load
+    # goes to every primary, including those that still have it, and the call then runs
+    g = driver.from_url(f"redis://127.0.0.1:{redis_cluster[0].port}/0", gate=f"cl-lib-{driver.kind}",
+                        config=_cfg(), cluster=True)
+    admin = RedisCluster(host="127.0.0.1", port=redis_cluster[0].port, socket_timeout=5)
+    try:
+        driver(g.write_snapshot(_engines()))
+        node = admin.get_node_from_key(kvkeys.key(g.name, "ledger"))
+        admin.get_redis_connection(node).function_flush()
+        lease = driver.call(g.acquire, "a", prompt_tokens=300, max_new_tokens=0)
+        assert (lease.outcome, lease.reason) == ("admit", "open")
+        assert driver(lease.release()) is True
+        assert g._caller.use_functions
+        for n in admin.get_primaries():
+            names = [dict(zip(lib[::2], lib[1::2]))[b"library_name"]
+                     for lib in admin.get_redis_connection(n).function_list()]
+            assert g._caller.library.split("\n", 1)[0].split("=")[1].encode() in names
+    finally:
+        admin.close()
+        driver.close(g)
 
 
 def test_status_on_the_cluster(redis_cluster, driver):

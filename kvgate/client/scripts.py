@@ -179,12 +179,13 @@ class ScriptCaller:
         return False
 
     def _load_library(self) -> Generator[Command, Any, bool]:
-        """Load the library (on every primary of a cluster); True when it is there now."""
+        """Load the library (on every primary of a cluster); True when it is there now.
+        REPLACE: a server that has it already (another process loaded it, or a cluster's
+        other primaries) loads the same text again instead of refusing, so every primary
+        answers alike and none is left without it."""
         try:
-            yield Command("function_load", (self.library,))
+            yield Command("function_load", (self.library,), {"replace": True})
         except redis_errors.ResponseError as e:
-            if _says(e, "already exists"):  # another process loaded it meanwhile
-                return True
             if self._no_functions(e, "function"):
                 self.use_functions = False
                 return False
