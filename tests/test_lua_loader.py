@@ -126,6 +126,24 @@ def test_a_refused_library_load_falls_back_to_eval():
     assert sent == ["fcall", "function_load", "evalsha"] and out == "reply" and not c.use_functions
 
 
+def test_a_library_the_server_refuses_falls_back_to_eval_with_a_warning(caplog):
+    c = scripts.ScriptCaller()
+    refused = redis.ResponseError("ERR Error registering functions: Script attempted to access nonexistent global")
+    sent, out = drive(c, "acquire", [redis.ResponseError("ERR Function not found"), refused, "reply"])
+    assert sent == ["fcall", "function_load", "evalsha"] and out == "reply" and not c.use_functions
+    assert any("function library" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
+@pytest.mark.parametrize("fault", [redis.exceptions.OutOfMemoryError("OOM command not allowed"),
+                                   redis.exceptions.ReadOnlyError("You can't write against a read only replica.")])
+def test_a_load_refused_for_now_is_a_fault_and_the_next_call_loads_again(fault):
+    c = scripts.ScriptCaller()
+    with pytest.raises(type(fault)):
+        drive(c, "acquire", [redis.ResponseError("ERR Function not found"), fault])
+    sent, out = drive(c, "acquire", [redis.ResponseError("ERR Function not found"), "OK", "reply"])
+    assert sent == ["fcall", "function_load", "fcall"] and c.use_functions
+
+
 @pytest.mark.parametrize("error", [
     # a command refused inside the function: a configuration error, not a missing function
     redis.ResponseError("ERR The user executing the script can't run this command or subcommand"),

@@ -25,6 +25,7 @@ server cannot run functions or refuses this user them (docs/decisions.md#script-
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from functools import lru_cache
 from importlib import resources
@@ -34,6 +35,8 @@ from typing import Any, Generator, Sequence
 import redis.exceptions as redis_errors
 
 from .flows import Command
+
+log = logging.getLogger("kvgate")
 
 INCLUDE_RE = re.compile(r"^--@include\s+([A-Za-z0-9_]+)\s*$", re.M)
 
@@ -185,11 +188,16 @@ class ScriptCaller:
         answers alike and none is left without it."""
         try:
             yield Command("function_load", (self.library,), {"replace": True})
+        except (redis_errors.OutOfMemoryError, redis_errors.ReadOnlyError):
+            raise  # a fault of this server now (full, or a replica): the next call tries again
         except redis_errors.ResponseError as e:
-            if self._no_functions(e, "function"):
-                self.use_functions = False
-                return False
-            raise
+            if not self._no_functions(e, "function"):
+                # the server refused the library itself (a Redis whose function environment
+                # differs from the one it was written for): the EVAL form runs the same rules
+                log.warning("kvgate: Redis refused the scripts' function library (%s); "
+                            "this gate object calls them as EVAL scripts", e)
+            self.use_functions = False
+            return False
         return True
 
     @staticmethod
