@@ -93,6 +93,12 @@ def test_step_metrics_drain_and_names(backend, clock):
     assert m["agentic_kv/budget/kv_token_usage_max"] == pytest.approx(0.6)
     assert m["agentic_kv/budget/ceiling"] == 9000
     assert "agentic_kv/latency/turn_3_mean_s" in m
+    script(g, "release", ticket="gone", latency_ms=1500.0, turn_index=7)  # no lease: not counted
+    script(g, "acquire", ticket="t7", session="s7", need=10, prompt=5, protected=0, retain=0, probe=-2)
+    script(g, "release", ticket="t7", latency_ms=1500.0, turn_index=7)
+    script(g, "acquire", ticket="t8", session="s8", need=10, prompt=5, protected=0, retain=0, probe=-2)
+    script(g, "release", ticket="t8", latency_ms=500.25, turn_index=7)
+    assert g.step_metrics()["agentic_kv/latency/turn_7_mean_s"] == pytest.approx(1.000125)
     assert "agentic_kv/session/lifecycle_enabled" not in m
     m2 = g.step_metrics()
     assert m2["agentic_kv/admission/admit"] == 0  # drained once per step

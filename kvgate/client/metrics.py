@@ -111,7 +111,7 @@ def build_step_metrics(raw: dict | None, config: Any, local: dict) -> dict[str, 
             idx = k.split(":", 1)[1]
             cnt = _f(st, k)
             if cnt:
-                m[P + f"latency/turn_{idx}_mean_s"] = _f(st, f"lat_s_sum:{idx}") / cnt
+                m[P + f"latency/turn_{idx}_mean_s"] = _f(st, f"lat_us_sum:{idx}") / 1e6 / cnt
     return m
 
 
@@ -245,5 +245,5 @@ class GateCollector:
         for k, v in t.items():
             if k.startswith("lat_n:") and v:
                 idx = k.split(":", 1)[1]
-                lat.add_metric(gate + [idx], t.get(f"lat_s_sum:{idx}", 0.0) / v)
+                lat.add_metric(gate + [idx], t.get(f"lat_us_sum:{idx}", 0.0) / 1e6 / v)
         yield lat
