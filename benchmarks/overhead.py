@@ -24,9 +24,10 @@ per operation (FCALL, or EVALSHA) and the Redis commands run inside scripts per 
 
 A breakdown pass then splits a sync turn script by script (acquire, release): server
 microseconds, inner commands by name, and what a call of a kvgate script costs before its
-body runs: an EVALSHA of ``return 1`` with the same KEYS and ARGV, one that only loads
-the shared helpers (``lua/includes``) every EVAL script starts with, and an FCALL of an empty
-body in a library of those helpers (the function form's fixed cost).
+body runs: an EVALSHA of ``return 1`` with the same KEYS and ARGV; one that defines the shared
+helpers (``lua/includes``) every EVAL script starts with and runs an empty body as every call
+runs its body (``run``: the call's keys, clock and parameters set up); and an FCALL of that
+empty body in a library of those helpers: the EVAL form's and the function form's fixed cost.
 
 Last, the same gate with 10, 1,000 and 10,000 waiters queued (an asyncio crowd in a child
 process, stopped by pid): one lease fills the gate's ceiling, the waiters wait in its FIFO,
@@ -356,7 +357,10 @@ def script_breakdown(url: str, turns: int) -> dict:
     argv = list(gate._flows.eval_op("acquire", {}).argv)
     includes = "".join(f"--@include {n}\n" for n in ("common", "snapshot", "windows", "leases", "waiters"))
     base = lua_dir()
-    helpers = render(includes + "return 1", lambda n: (base / "includes" / f"{n}.lua").read_text())
+    # an empty body run as every call runs its body (``run``: the call's keys, clock and
+    # parameters set up first), in each form
+    helpers = render(includes + "return run(KEYS, ARGV, function() return 1 end)",
+                     lambda n: (base / "includes" / f"{n}.lua").read_text())
 
     def call_us(src: str) -> float:
         s = r.register_script(src)
@@ -368,8 +372,7 @@ def script_breakdown(url: str, turns: int) -> dict:
 
     for name, src in (("return_1", "return 1"), ("helpers_only", helpers)):
         out[name] = {"server_us": call_us(src)}
-    # the same fixed cost in the function form: the helpers load once with the library, and a
-    # call runs begin and finish around its body (here an empty one)
+    # the same in the function form: the helpers load once with the library
     r.function_load("#!lua name=kvgate_overhead_probe\n" + render(includes, lambda n: (base / "includes" / f"{n}.lua").read_text())
                     + "\nredis.register_function('kvgate_overhead_empty', function(keys, argv) "
                       "return run(keys, argv, function() return 1 end) end)\n", replace=True)
@@ -712,9 +715,9 @@ def report(res: dict) -> str:
     rows.append(["(return 1)", f(b["return_1"]["server_us"]), "0", "0",
                  "an EVALSHA with a kvgate call's KEYS and ARGV"])
     rows.append(["(helpers only)", f(b["helpers_only"]["server_us"]), "0", "0",
-                 "the same, loading lua/includes: what the EVAL form pays on every call"])
+                 "the same, defining lua/includes, then an empty body through run: the EVAL form's fixed cost"])
     rows.append(["(empty function)", f(b["function_empty"]["server_us"]), "0", "0",
-                 "an FCALL of an empty body through run (begin, finish): what the function form pays"])
+                 "an FCALL of an empty body through run: the function form's fixed cost"])
     parts += ["", f"a sync turn, script by script ({b['turns']} turns: {b['reasons']})", table(rows)]
     rows = [["one step inside a script", "server us"]] + [[k, f(v)] for k, v in b["units_us"].items()]
     parts += ["", "what a script's steps cost (each run alone, less an empty call)", table(rows)]
