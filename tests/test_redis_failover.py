@@ -346,10 +346,14 @@ class Turns:
             gate = self.gate
             try:
                 started = time.monotonic()
+                # before the acquire: an attempt the stop aborts may have been granted a lease
+                # that opened the session's window, and its cancel leaves that window idle for
+                # the idle grace, as a release does, so settle() must end this session too
+                with self.lock:
+                    self.sessions.add((gate, sid))
                 # the stop aborts a wait, so the threads end without waiting out max_wait_s
                 lease = gate.acquire(sid, abort_event=self.stop, **TURN)
                 with self.lock:
-                    self.sessions.add((gate, sid))
                     self.decisions.append((started, time.monotonic(), lease.ticket, lease.outcome, lease.reason))
                 time.sleep(0.02)
                 lease.release()
