@@ -4,6 +4,7 @@ object's calls pick one (``ScriptCaller``), and the shipped copy: the wheel's kv
 equal lua/ byte for byte. What each script's header declares is checked in test_lua_headers.py."""
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import zipfile
@@ -109,10 +110,14 @@ def test_a_call_loads_the_missing_library_and_calls_again():
     redis.ResponseError("ERR unknown command 'FCALL', with args beginning with: 'kvgate_x'"),  # Redis 6.2
     redis.exceptions.NoPermissionError("this user has no permissions to run the 'fcall' command"),
 ])
-def test_a_server_that_cannot_run_functions_gets_eval_from_then_on(refusal):
+def test_a_server_that_cannot_run_functions_gets_eval_from_then_on(refusal, caplog):
     c = scripts.ScriptCaller()
-    sent, out = drive(c, "acquire", [refusal, "reply"])
+    with caplog.at_level(logging.INFO, logger="kvgate"):
+        sent, out = drive(c, "acquire", [refusal, "reply"])
     assert sent == ["fcall", "evalsha"] and out == "reply" and c.use_functions is False
+    # said once, with what to grant
+    assert [r.levelname for r in caplog.records if "EVAL scripts" in r.getMessage()] == ["INFO"]
+    assert "+fcall +function|load" in caplog.records[-1].getMessage()
     sent, out = drive(c, "acquire", [redis.exceptions.NoScriptError("NOSCRIPT"), "OK", "again"])
     assert sent == ["evalsha", "script_load", "evalsha"] and out == "again"
 

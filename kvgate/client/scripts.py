@@ -177,7 +177,7 @@ class ScriptCaller:
         if _says(error, "function not found"):
             return True
         if self._no_functions(error, "fcall"):
-            self.use_functions = False
+            self._to_eval(error)
             return True
         return False
 
@@ -191,14 +191,24 @@ class ScriptCaller:
         except (redis_errors.OutOfMemoryError, redis_errors.ReadOnlyError):
             raise  # a fault of this server now (full, or a replica): the next call tries again
         except redis_errors.ResponseError as e:
-            if not self._no_functions(e, "function"):
+            if self._no_functions(e, "function"):
+                self._to_eval(e)
+            else:
                 # the server refused the library itself (a Redis whose function environment
                 # differs from the one it was written for): the EVAL form runs the same rules
                 log.warning("kvgate: Redis refused the scripts' function library (%s); "
                             "this gate object calls them as EVAL scripts", e)
-            self.use_functions = False
+                self.use_functions = False
             return False
         return True
+
+    def _to_eval(self, error: BaseException) -> None:
+        """EVAL from now on, said once: the server has no functions, or this user may not
+        run them (the EVAL form costs Redis more per turn; docs/decisions.md#script-form)."""
+        log.info("kvgate: Redis cannot run the scripts as functions for this user (%s); this gate "
+                 "object calls them as EVAL scripts (grant +fcall +function|load on Redis >= 7.0 "
+                 "to use the function library: docs/deploy.md#acl)", error)
+        self.use_functions = False
 
     @staticmethod
     def _no_functions(error: redis_errors.ResponseError, command: str) -> bool:
