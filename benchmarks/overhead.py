@@ -15,8 +15,9 @@ fakeredis would measure fakeredis) and measures, in one run, four subjects side 
 - ``ping``: two bare PINGs (two round trips that do no work: the wire's floor).
 
 Each is measured from one sync client, and all but ``kvgate-eval`` from one asyncio loop
-(``AsyncGate``, redis.asyncio) with 1, 16, 64 and 256 concurrent callers. Rounds interleave the subjects (their order rotates
-each round), and the table shows each figure's median over the rounds. Per subject: p50 / p99
+(``AsyncGate``, redis.asyncio) with 1, 16, 64 and 256 concurrent callers. Rounds interleave
+the subjects (their order rotates each round), and the table shows each figure's median over
+the rounds. Per subject: p50 / p99
 latency of one operation, operations per second, and from ``INFO commandstats`` (reset with
 ``CONFIG RESETSTAT`` before each block): the server's microseconds per operation (the
 commands the client sent; a script's time includes the commands it runs), the script calls
@@ -91,8 +92,9 @@ WAITERS = (10, 1_000, 10_000)
 #: the commands a client sends itself; every other command in commandstats ran in a script
 #: a script call: kvgate's function library (FCALL), or an EVAL script (kvgate's EVAL form, the Lock's)
 SCRIPT_CALLS = {"fcall", "evalsha", "eval"}
-CLIENT_COMMANDS = {"kvgate": SCRIPT_CALLS | {"script|load", "function|load"},
-                   "kvgate-eval": SCRIPT_CALLS | {"script|load", "function|load"},
+#: what a kvgate gate sends, in either form of its scripts
+KVGATE_COMMANDS = SCRIPT_CALLS | {"script|load", "function|load"}
+CLIENT_COMMANDS = {"kvgate": KVGATE_COMMANDS, "kvgate-eval": KVGATE_COMMANDS,
                    "lock": {"set", "evalsha", "eval", "script|load"},
                    "ping": {"ping"}}
 #: commands of the benchmark's own bookkeeping, never counted
@@ -357,10 +359,10 @@ def script_breakdown(url: str, turns: int) -> dict:
     argv = list(gate._flows.eval_op("acquire", {}).argv)
     includes = "".join(f"--@include {n}\n" for n in ("common", "snapshot", "windows", "leases", "waiters"))
     base = lua_dir()
+    shared = render(includes, lambda n: (base / "includes" / f"{n}.lua").read_text())
     # an empty body run as every call runs its body (``run``: the call's keys, clock and
     # parameters set up first), in each form
-    helpers = render(includes + "return run(KEYS, ARGV, function() return 1 end)",
-                     lambda n: (base / "includes" / f"{n}.lua").read_text())
+    helpers = shared + "\nreturn run(KEYS, ARGV, function() return 1 end)\n"
 
     def call_us(src: str) -> float:
         s = r.register_script(src)
@@ -373,7 +375,7 @@ def script_breakdown(url: str, turns: int) -> dict:
     for name, src in (("return_1", "return 1"), ("helpers_only", helpers)):
         out[name] = {"server_us": call_us(src)}
     # the same in the function form: the helpers load once with the library
-    r.function_load("#!lua name=kvgate_overhead_probe\n" + render(includes, lambda n: (base / "includes" / f"{n}.lua").read_text())
+    r.function_load("#!lua name=kvgate_overhead_probe\n" + shared
                     + "\nredis.register_function('kvgate_overhead_empty', function(keys, argv) "
                       "return run(keys, argv, function() return 1 end) end)\n", replace=True)
     r.config_resetstat()

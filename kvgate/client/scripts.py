@@ -135,9 +135,15 @@ def library_source(directory: str | None = None) -> tuple[str, dict[str, str]]:
     return f"#!lua name=kvgate_{tag}\n{code}{register}", names
 
 
-def _says(error: BaseException, *words: str) -> bool:
-    text = str(error).lower()
-    return any(w in text for w in words)
+def _says(error: BaseException, words: str) -> bool:
+    return words in str(error).lower()
+
+
+@lru_cache(maxsize=None)
+def eval_scripts() -> tuple[dict[str, str], dict[str, str]]:
+    """The EVAL form of every script, and the SHA1 it is cached under (``EVALSHA``)."""
+    sources = {n: script_source(n) for n in SCRIPT_NAMES}
+    return sources, {n: hashlib.sha1(src.encode()).hexdigest() for n, src in sources.items()}
 
 
 class ScriptCaller:
@@ -147,8 +153,7 @@ class ScriptCaller:
 
     def __init__(self) -> None:
         self.library, self.functions = library_source()
-        self.sources = {n: script_source(n) for n in SCRIPT_NAMES}
-        self.shas = {n: hashlib.sha1(src.encode()).hexdigest() for n, src in self.sources.items()}
+        self.sources, self.shas = eval_scripts()
         # False once the server showed it cannot run functions for this user: EVAL from then on
         self.use_functions = True
 

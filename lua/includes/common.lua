@@ -145,15 +145,13 @@ local function lincr(field, by)
 end
 -- what every script runs after its body, whether it returned or raised
 -- (kvgate/client/scripts.py as_main): write back the ledger's changed fields in one HSET
-local function finish(result)
+local function finish()
   local args = {}
   for field in pairs(LEDGER_DIRTY) do
     args[#args + 1] = field
     args[#args + 1] = LEDGER[field]
   end
   if #args > 0 then redis.call("HSET", K.ledger, unpack(args)) end
-  LEDGER_DIRTY = {}
-  return result
 end
 
 -- one call of a script's body, `main` (kvgate/client/scripts.py): begin, the body, and
