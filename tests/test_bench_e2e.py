@@ -122,10 +122,28 @@ def test_sim_prefill_metrics_give_the_gate_a_prefill_cost(tmp_path, redis_url):
     assert any(c is not None and c > 0 for c in costs)
 
 
+@pytest.mark.redis_real
+def test_steps_run_back_to_back_on_one_gate_with_new_sessions(tmp_path, redis_url):
+    rc, data, out = _run(tmp_path, "--redis", redis_url, "--steps", "2", "--policies", "none,kvgate")
+    assert rc == 0
+    assert "--steps 2" in data["scenario_modified_by"]
+    n_turns = data["workload"]["turns"]
+    for p in data["policies"]:
+        assert p["errors"] == 0, p["error_examples"]
+        walls = p["step_walls"]
+        assert len(walls) == 2 and all(w > 0 for w in walls)
+        assert p["wall_s"] == walls[-1]  # every figure is the last step's
+        assert p["turns_done"] == n_turns
+        assert {r["session"][-2:] for r in p["sessions"]} == {"~1"}  # the last step's sessions are new
+    # one gate and one poller through both steps: the budget's state carries over
+    log = (out / "bench.log").read_text()
+    assert log.count("writes snapshots with the gate knobs") == 1, log
+
+
 @pytest.mark.parametrize("argv", [["--policies", "none,bogus"], ["--caps", "0"], ["--turns", "5-2"],
                                   ["--time-scale", "0"], ["--profile", "no-such-profile"],
                                   ["--engine", "ftp://x"], ["--knob", "headroom=7", "--policies", "kvgate"],
-                                  ["--rounds", "0"], ["--engine", "http://127.0.0.1:9", "--sim-prefill-metrics"],
+                                  ["--rounds", "0"], ["--steps", "0"], ["--engine", "http://127.0.0.1:9", "--sim-prefill-metrics"],
                                   ["--engine", "http://127.0.0.1:9", "--no-sim-prefill-metrics"]])
 def test_bad_arguments_exit_2_before_running(tmp_path, argv):
     assert bench_cli.main([*argv, "--out", str(tmp_path / "o"), "--no-progress"]) == 2

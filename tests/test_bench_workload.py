@@ -6,7 +6,8 @@ import json
 import pytest
 
 from kvgate.tools.bench.trace import load_trace, parse_trace
-from kvgate.tools.bench.workload import IntRange, ToolLatency, WorkloadSpec, generate, parse_range, session_tokens
+from kvgate.tools.bench.workload import (IntRange, ToolLatency, WorkloadSpec, for_step, generate, parse_range,
+                                        session_tokens, turn_tokens)
 
 
 def test_same_seed_same_workload_and_tokens():
@@ -28,6 +29,18 @@ def test_sessions_do_not_share_token_prefixes():
     w = generate(WorkloadSpec(sessions=4), seed=0)
     firsts = [tuple(session_tokens(w, s.session_id, 0, 16)) for s in w.sessions]
     assert len(set(firsts)) == len(firsts)
+
+
+def test_a_later_rollout_step_sends_the_same_shapes_as_new_sessions_and_tasks():
+    w = generate(WorkloadSpec(sessions=8, turns=IntRange(3, 4), group_size=4, system_prompt=64), seed=3)
+    assert for_step(w, 0) is w
+    w2 = for_step(w, 2)
+    assert [s.turns for s in w2.sessions] == [s.turns for s in w.sessions]
+    assert [s.session_id for s in w2.sessions] == [s.session_id + "~2" for s in w.sessions]
+    assert {s.group for s in w2.sessions}.isdisjoint({s.group for s in w.sessions})
+    assert [w2.shared_prefix(s)[0] for s in w2.sessions] == [w.shared_prefix(s)[0] for s in w.sessions]
+    a, b = turn_tokens(w, w.sessions[0], 0), turn_tokens(w2, w2.sessions[0], 0)
+    assert a[:64] == b[:64] and a[64:] != b[64:]  # the same system prompt, a new task and session
 
 
 def test_generated_shapes_follow_the_spec():

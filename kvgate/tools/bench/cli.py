@@ -125,12 +125,20 @@ def _run_plan(plan: Plan, args: argparse.Namespace, redis_url: str | None, conso
 
 def _report_one(o: Any, args: argparse.Namespace, context: dict, console: Any) -> list[Path]:
     """One scenario: the full table, the verdicts, bench.json and the plots."""
+    from rich.markup import escape
+
     from .outcome import outcome_record, print_verdicts
     from .plots import write_plots
     from .summary import write_json
     from .table import render_table
 
     render_table(o.summary, console, scenario=f"trace {args.trace}" if args.trace else o.plan.name)
+    if getattr(args, "steps", 1) > 1:
+        console.print(f"{args.steps} rollout steps per policy on one gate; the table is the last step's. "
+                      "Each step's wall-clock (s):", highlight=False)
+        for row in o.summary["policies"]:
+            console.print(f"  {escape(row['policy'])}: " + " ".join(f"{w:.2f}" for w in row["step_walls"]),
+                          highlight=False)
     print_verdicts(o, console)
     path = Path(args.out) / "bench.json"
     write_json(o.summary, path, {**outcome_record(o), **context})

@@ -89,6 +89,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "table: per scenario kvgate against no gate and the best fixed cap")
     pol.add_argument("--scenarios", metavar="A,B,...",
                      help="with --matrix: the scenarios to run, in this order (default: all)")
+    pol.add_argument("--steps", type=int, default=1,
+                     help="run this many rollout steps back to back per policy, as a trainer does: one "
+                          "gate throughout (what its budget learned carries over), the engines' caches "
+                          "reset and new sessions each step; every figure is the last step's, and "
+                          "bench.json lists each step's wall-clock (default: %(default)s)")
     pol.add_argument("--rounds", type=int, default=1,
                      help="run every policy this many times, interleaved (round 1 runs each policy once, "
                           "then round 2, ...), and report each policy's median; the checks read the "
@@ -177,6 +182,8 @@ def scenario_changes(args: Any, sc: Any, *, time_scale: float, caps_run: Sequenc
             out.append("--no-sim-prefill-metrics")
     if time_scale != (1.0 if engine else sc.time_scale):
         out.append(f"--time-scale {time_scale:g}")
+    if getattr(args, "steps", 1) > 1:
+        out.append(f"--steps {args.steps}")  # the targets are a trainer's first step: the gate cold
     if caps_run and sorted(set(caps_run)) != sorted(set(default_caps)):
         out.append(f"caps {','.join(map(str, sorted(set(caps_run))))} "
                    f"(the scenario's sweep: {','.join(map(str, sorted(set(default_caps))))})")

@@ -67,6 +67,9 @@ def prepare(args: argparse.Namespace, probe: bool) -> list[Plan]:
     ``--out``. Raises ValueError; nothing has run by then."""
     if isinstance(args.rounds, bool) or not isinstance(args.rounds, int) or args.rounds < 1:
         raise ValueError(f"--rounds must be an integer >= 1, got {args.rounds!r}")
+    steps = getattr(args, "steps", 1)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"--steps must be an integer >= 1, got {steps!r}")
     step_timeout = getattr(args, "step_timeout", None)
     if step_timeout is not None and not (math.isfinite(step_timeout) and step_timeout > 0):
         raise ValueError(f"--step-timeout must be a finite number of seconds > 0, got {step_timeout}")

@@ -38,7 +38,8 @@ async def run_rounds(plan: Plan, args: argparse.Namespace, redis_url: str | None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     n_rounds = args.rounds
-    total = plan.workload.num_turns * n_rounds
+    steps = getattr(args, "steps", 1)
+    total = plan.workload.num_turns * n_rounds * steps
     progress = Progress(TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("turns"), TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
                         console=console, disable=args.no_progress, transient=False)
@@ -57,9 +58,9 @@ async def run_rounds(plan: Plan, args: argparse.Namespace, redis_url: str | None
                                    base_cfg=plan.base_cfg, scale_knobs=not args.no_scale_knobs,
                                    snapshot_interval_s=plan.snapshot_interval_s,
                                    on_turn=lambda rec: progress.advance(tid),
-                                   step_timeout_s=getattr(args, "step_timeout", None))
+                                   step_timeout_s=getattr(args, "step_timeout", None), steps=steps)
         hr = res.counters.hit_rate
-        walls[p.name].append(f"{res.wall_s:.2f}s")
+        walls[p.name].append("/".join(f"{w:.2f}" for w in res.step_walls) + "s")
         progress.update(tid, info=" ".join(walls[p.name]) + (f"  hit {hr:.3f}" if hr is not None else ""))
         progress.stop_task(tid)
         return res

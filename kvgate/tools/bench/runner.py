@@ -16,7 +16,7 @@ from .engines import Counters, EngineClient
 # _start_poller, _stop_poller: tests/test_poller.py drives the bench's poller start from here
 from .gates import _start_poller, _stop_poller, gate_for, maybe_await  # noqa: F401
 from .policies import Policy
-from .workload import Workload, session_tokens, turn_tokens
+from .workload import Workload, for_step, session_tokens, turn_tokens
 from ..._aio import wait_for
 
 __all__ = ["TurnRecord", "PolicyResult", "run_policy", "default_step_timeout"]
@@ -70,6 +70,8 @@ class PolicyResult:
     gate_config: dict = field(default_factory=dict)
     gate_samples: list[dict] = field(default_factory=list)  # (t, reserved, ceiling, windows, waiting, usage)
     loop_lags: list[float] = field(default_factory=list)  # event-loop lateness samples, s (real time)
+    # each rollout step's wall-clock, in order (``steps``); every other figure is the last step's
+    step_walls: list[float] = field(default_factory=list)
 
 
 def _error_text(e: BaseException) -> str:
@@ -93,9 +95,17 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
                      scale_knobs: bool = True, snapshot_interval_s: float = 0.1,
                      sample_interval_s: float = 0.25, use_poller: bool = True,
                      on_turn: Callable[[TurnRecord], None] | None = None,
-                     step_timeout_s: float | None = None) -> PolicyResult:
+                     step_timeout_s: float | None = None, steps: int = 1) -> PolicyResult:
     """Run every session of ``workload`` against ``client`` under ``policy``; a step that
-    outlasts ``step_timeout_s`` (default: :func:`default_step_timeout`) raises TimeoutError."""
+    outlasts ``step_timeout_s`` (default: :func:`default_step_timeout`) raises TimeoutError.
+
+    ``steps`` runs that many rollout steps back to back, as a trainer does: one gate and its
+    poller throughout (what the budget learned carries over), the engines' prefix caches reset
+    between steps (a weight update does that), and each step's sessions new
+    (:func:`~kvgate.tools.bench.workload.for_step`). The result is the last step's, with every
+    step's wall-clock in ``step_walls``."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if not (math.isfinite(time_scale) and time_scale > 0):
         raise ValueError(f"time scale must be > 0, got {time_scale!r}")
     if step_timeout_s is None:
@@ -230,7 +240,7 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
             await asyncio.sleep(0.01)
             loop_lags.append(max(0.0, loop.time() - due))
 
-    async def drive(gate) -> float:
+    async def drive(gate, workload: Workload) -> float:
         nonlocal t0
         t0 = loop.time()
         samp = asyncio.create_task(sampler(gate))
@@ -256,6 +266,21 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
         first = min((s.turns[0].gap_s for s in workload.sessions if s.turns), default=0.0)
         return end - t0 - first * time_scale
 
+    async def drive_steps(gate) -> list[float]:
+        nonlocal base
+        walls = []
+        for k in range(steps):
+            if k:
+                # a new step: the engines forget the last one's prefixes, and what this
+                # result reports starts over (the last step's figures, every step's wall)
+                await client.reset_prefix_cache()
+                for series in (records, errors, samples, usage_samples, gate_samples, loop_lags):
+                    series.clear()
+                stop_sampling.clear()
+                base = await client.counters()
+            walls.append(await drive(gate, for_step(workload, k)))
+        return walls
+
     step: dict = {}
     gate_info: dict = {}
     if policy.kind == "gate":
@@ -263,14 +288,15 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
                              snapshot_interval_s, use_poller) as (gate, gate_info):
             with contextlib.suppress(Exception):
                 await maybe_await(gate.step_metrics(drain=True))  # start the step clean
-            wall = await drive(gate)
+            walls = await drive_steps(gate)
             with contextlib.suppress(Exception):
                 step = dict(await maybe_await(gate.step_metrics(drain=True)))
     else:
-        wall = await drive(None)
+        walls = await drive_steps(None)
+    wall = walls[-1]
     final = await client.counters() - base
     samples.append((loop.time() - t0, final.hits, final.queries))
     return PolicyResult(policy=policy, wall_s=wall, turns=records, counters=final, samples=samples,
                         usage_samples=usage_samples, step_metrics=step, errors=len(errors),
                         error_examples=errors[:5], gate_config=gate_info, gate_samples=gate_samples,
-                        loop_lags=loop_lags)
+                        loop_lags=loop_lags, step_walls=walls)

@@ -142,6 +142,7 @@ def summarize(results: Sequence[PolicyResult], workload: Workload, block_size: i
             "kind": r.policy.kind,
             "cap": r.policy.cap,
             "wall_s": r.wall_s,
+            "step_walls": list(r.step_walls),
             "turns_done": len(r.turns),
             "errors": r.errors,
             "error_examples": r.error_examples,

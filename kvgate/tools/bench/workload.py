@@ -22,10 +22,10 @@ import hashlib
 import math
 import random
 from array import array
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Sequence
 
-__all__ = ["IntRange", "ToolLatency", "TurnSpec", "SessionSpec", "Workload", "WorkloadSpec", "generate",
+__all__ = ["IntRange", "ToolLatency", "TurnSpec", "SessionSpec", "Workload", "WorkloadSpec", "generate", "for_step",
            "parse_range", "MAX_REQUEST_TOKENS", "MAX_GAP_S", "session_tokens", "turn_tokens"]
 
 VOCAB_DEFAULT = 32000
@@ -355,6 +355,19 @@ def generate(spec: WorkloadSpec, seed: int = 0) -> Workload:
                                     shared_tokens=int(task_prompt) if grouped else 0))
     return Workload(sessions=tuple(sessions), seed=seed, vocab=spec.vocab, source="synthetic",
                     spec=spec.to_dict(), system_tokens=spec.system_prompt)
+
+
+def for_step(workload: Workload, step: int) -> Workload:
+    """The workload as rollout step ``step`` (from 0) of a run sends it: step 0 as it is; a
+    later step the same shapes under new session ids and new task groups (a trainer samples
+    new rollouts of new tasks every step), so no token, session or prefix of an earlier step
+    carries over. The system prompt is the same in every step."""
+    if step == 0:
+        return workload
+    tag = f"~{step}"
+    return replace(workload, sessions=tuple(
+        replace(s, session_id=s.session_id + tag, group=None if s.group is None else s.group + tag)
+        for s in workload.sessions))
 
 
 def turn_tokens(workload: Workload, session: SessionSpec, index: int) -> list[int]:
