@@ -214,15 +214,75 @@ def test_a_start_scale_that_is_not_finite_is_the_ledger():
 
 def test_after_a_back_off_it_grows_only_part_way_back():
     # it thrashed at 2.0 (without prefill time: the history served fell below the ledger's):
-    # back to 1.4, and idle engines later grow it to sqrt(0.7) x 2.0 at most
+    # back to 1.4, and idle engines later grow it to sqrt(0.7) x 2.0 at most, where it holds
+    # while the windows at that bound still lose history
     c, g = BudgetController(2.0), Gate()
     start(c, g)
     c.update(g.window(idle=0.0, retained=0.3))
     assert c.scale == pytest.approx(2.0 * BACKOFF) and c.last.why == "backoff"
+    c.update(g.window(idle=0.5, retained=0.9))
+    assert c.scale == pytest.approx(2.0 * BACKOFF ** 0.5) and c.last.why == "grow"
     for _ in range(10):
-        c.update(g.window(idle=0.5, retained=0.9))
+        c.update(g.window(idle=0.5, retained=0.5))  # 1.67 x 0.5 serves less than the ledger
     assert c.scale == pytest.approx(2.0 * BACKOFF ** 0.5)
     assert c.last.why == "hold"
+
+
+def test_the_bound_steps_back_up_when_the_engines_idle_at_it_without_thrashing():
+    # a plant that thrashes from 2.0 on, and idles below it: after the back-off the scale
+    # climbs to the bound, one window at it that loses nothing steps the bound up by what the
+    # back-off took off, and it probes the thrash again: never above it, and at most one
+    # window in four thrashes
+    c, g = BudgetController(2.0), Gate()
+    start(c, g)
+    whys = []
+    for _ in range(40):
+        if c.scale >= 2.0 - 1e-9:
+            c.update(g.window(idle=0.0, retained=0.3))
+        else:
+            c.update(g.window(idle=0.5, retained=0.9))
+        whys.append(c.last.why)
+        assert c.scale <= 2.0 + 1e-9
+    assert whys[:5] == ["backoff", "grow", "relax", "grow", "backoff"]
+    assert whys.count("backoff") <= len(whys) / 4
+
+
+def test_the_bound_steps_up_once_the_idle_time_at_it_has_paid_for_the_thrash():
+    # the thrash cost 0.75 of a window (re-prefill); held at the bound the engines idle 0.3 of
+    # each window: the bound steps up on the third such window, and a window at it that loses
+    # work (re-prefill past the thrash share, though idle is larger) pays nothing
+    c, g = BudgetController(), Gate(cost=0.001)
+    start(c, g)
+    c.update(g.window(idle=0.0, waste=0.75))
+    assert c.last.why == "backoff" and c.scale == pytest.approx(BACKOFF)
+    c.update(g.window(idle=0.3, waste=0.0))
+    assert c.last.why == "grow" and c.scale == pytest.approx(BACKOFF ** 0.5)
+    whys = []
+    for waste in (0.0, 0.55, 0.0, 0.0):
+        c.update(g.window(idle=0.6 if waste else 0.3, waste=waste))
+        whys.append(c.last.why)
+    assert whys == ["hold", "hold", "hold", "relax"]
+    assert c.limit == pytest.approx(1.0)
+    c.update(g.window(idle=0.3, waste=0.0))
+    assert c.last.why == "grow" and c.scale == pytest.approx(1.0)
+
+
+def test_a_thrash_that_recurs_whatever_the_scale_does_not_ratchet_it_down():
+    """Every fifth window thrashes at any scale (a burst of young sessions at each rollout
+    step's start, say); the others idle with little re-prefill. Each back-off lowers the bound
+    by what it took off the scale; the windows at the bound that lose nothing give it back, so
+    the scale keeps to the band the idle windows earn instead of sinking to MIN_SCALE."""
+    c, g = BudgetController(), Gate(cost=0.001, capacity=10_000)
+    start(c, g)
+    trace = []
+    for i in range(100):
+        if i % 5 == 4:
+            c.update(g.window(idle=0.0, waste=0.6))
+            assert c.last.why == "backoff"
+        else:
+            c.update(g.window(idle=0.4, waste=0.05))
+        trace.append(c.scale)
+    assert min(trace[20:]) > 0.9, trace
 
 
 def test_re_prefill_that_eats_the_engines_time_backs_off_below_the_ledger():

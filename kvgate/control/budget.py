@@ -20,7 +20,11 @@ in engine time:
   adds). A waste of half the engines' time or more, above the idle share, means the held
   sessions thrash: the scale backs off, ``scale x 0.7`` (down to a quarter of the ledger), and
   from then on grows no further than part-way back to where it thrashed (BBR v2's
-  ``inflight_hi``: a bound learned from loss, here from lost work).
+  ``inflight_hi``: a bound learned from loss, here from lost work), until the engines have
+  idled at that bound, losing no work, as long as the thrash cost them: then the bound steps
+  back up (BBR v2 raises ``inflight_hi`` when a probe finds no loss), so a thrash that recurs
+  at any scale (a burst of young sessions each rollout step) does not ratchet the scale down
+  for good.
 
 A window closes once the sessions the gate held at its start have turned over once (as many
 releases as held sessions, at least ``MIN_RELEASES``): the controller's time constant is the
@@ -84,7 +88,7 @@ class Window:
     waste: float | None         # re-prefill seconds / the engines' time (None: no prefill time)
     scale_before: float
     scale_after: float
-    why: str                    # "grow" | "backoff" | "hold" | "no cache counters"
+    why: str                    # "grow" | "backoff" | "relax" (bound stepped up) | "hold" | "no cache counters"
 
 
 class BudgetController:
@@ -95,8 +99,11 @@ class BudgetController:
         self._start: Reading | None = None
         # the retained share at scale 1 (None: not measured yet, counted as 1: keep everything)
         self.ledger_retained: float | None = None
-        # the most the scale may grow to: part-way back to the last scale that thrashed
+        # the most the scale may grow to: part-way back to the last scale that thrashed, a step
+        # higher each time the engines have idled at it, losing no work, as long as that
+        # thrash cost them (debt: its re-prefill share of a window; paid: the idle shares since)
         self.limit = math.inf
+        self.debt = self.paid = 0.0
         # seconds of prefill per prefilled token: the least any window of this term measured
         self.token_cost: float | None = None
         self.last: Window | None = None
@@ -133,22 +140,39 @@ class BudgetController:
             old = self.ledger_retained
             self.ledger_retained = retained if old is None else old + EWMA * (retained - old)
         known_waste = waste if waste is not None else 0.0
-        if idle is not None and idle >= IDLE_FLOOR and idle > known_waste:
-            # the engines lost more time idling with turns waiting than re-prefilling: used,
-            # that idle time would carry 1 / (1 - idle) times the work (at most double it)
-            bound = min(self.limit, self._overcommit_bound(idle * span / 1000.0, r))
-            if before < bound:
-                return window(min(bound, before / max(0.5, 1.0 - idle)), "grow")
-            return window(before, "hold")
         if waste is not None:
-            thrash = waste >= THRASH and waste > (idle or 0.0)
+            lost_work = waste >= THRASH
         else:
             # no prefill time: history served per unit of the seeds' ledger, against what the
             # ledger served (never below the ledger itself)
             ledger = self.ledger_retained if self.ledger_retained is not None else 1.0
-            thrash = retained is not None and before > 1.0 and before * retained < (1.0 - NOISE) * ledger
+            lost_work = retained is not None and before > 1.0 and before * retained < (1.0 - NOISE) * ledger
+        if idle is not None and idle >= IDLE_FLOOR and idle > known_waste:
+            # the engines lost more time idling with turns waiting than re-prefilling: used,
+            # that idle time would carry 1 / (1 - idle) times the work (at most double it)
+            over = self._overcommit_bound(idle * span / 1000.0, r)
+            bound = min(self.limit, over)
+            if before < bound:
+                return window(min(bound, before / max(0.5, 1.0 - idle)), "grow")
+            if self.limit <= over and not lost_work:
+                # the bound learned from a thrash holds the scale while the engines idle, and
+                # nothing thrashes at it: what thrashed then (a burst of young sessions, another
+                # load) may not now. Once the idle time paid at the bound adds up to what that
+                # thrash cost, the bound steps back up by what one back-off took off it (ski
+                # rental: hold until holding has cost what the probe may; BBR v2 raises
+                # inflight_hi when a probe finds no loss). Without this every later
+                # thrash would lower it for good, down to MIN_SCALE over a long run.
+                self.paid += idle
+                if self.paid >= self.debt:
+                    self.limit = self.limit / math.sqrt(BACKOFF)
+                    self.paid = 0.0
+                    return window(before, "relax")
+            return window(before, "hold")
+        thrash = lost_work and (waste is None or waste > (idle or 0.0))
         if thrash and before > MIN_SCALE:
             self.limit = before * math.sqrt(BACKOFF)
+            # what the thrash cost, in windows of the engines' time: the bound's price
+            self.debt, self.paid = (waste if waste is not None else THRASH), 0.0
             floor = MIN_SCALE if waste is not None else 1.0
             return window(max(floor, before * BACKOFF), "backoff")
         return window(before, "hold")

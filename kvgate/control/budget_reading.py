@@ -125,7 +125,9 @@ class BudgetReader:
         before = self.controller.last
         scale = self.controller.update(reading)
         w = self.controller.last
-        if w is not None and w is not before and w.scale_after != w.scale_before:
-            log.info("budget scale %.2f -> %.2f (%s: idle %s, re-prefill %s of the engines' time, retained %s)",
-                     w.scale_before, w.scale_after, w.why, _pct(w.idle_share), _pct(w.waste), _pct(w.retained))
+        if w is not None and w is not before and (w.scale_after != w.scale_before or w.why == "relax"):
+            bound = f", bound {self.controller.limit:.2f}" if w.why == "relax" else ""
+            log.info("budget scale %.2f -> %.2f (%s%s: idle %s, re-prefill %s of the engines' time, retained %s)",
+                     w.scale_before, w.scale_after, w.why, bound, _pct(w.idle_share), _pct(w.waste),
+                     _pct(w.retained))
         return scale
