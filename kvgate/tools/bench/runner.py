@@ -272,9 +272,10 @@ async def run_policy(policy: Policy, workload: Workload, client: EngineClient, *
         for k in range(steps):
             if k:
                 # a new step: the engines forget the last one's prefixes, and what this
-                # result reports starts over (the last step's figures, every step's wall)
+                # result reports starts over (the last step's figures, every step's wall;
+                # the failed turns of every step, which did less work than the workload asks)
                 await client.reset_prefix_cache()
-                for series in (records, errors, samples, usage_samples, gate_samples, loop_lags):
+                for series in (records, samples, usage_samples, gate_samples, loop_lags):
                     series.clear()
                 stop_sampling.clear()
                 base = await client.counters()
