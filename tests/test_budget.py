@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from kvgate.control.budget import (BACKOFF, IDLE_FLOOR, MIN_PREFILL_TOKENS, MIN_RELEASES, MIN_SCALE, THRASH,
-                                   BudgetController, Reading)
+from kvgate.control.budget import (BACKOFF, IDLE_FLOOR, MAX_GROWTH, MIN_PREFILL_TOKENS, MIN_RELEASES, MIN_SCALE,
+                                   THRASH, BudgetController, Reading)
 
 
 class Gate:
@@ -88,6 +88,35 @@ def test_idle_engines_with_turns_waiting_grow_the_scale_to_carry_the_idle_time()
     assert c.update(g.window(idle=0.25, retained=1.0)) == pytest.approx(1 / 0.75)
     assert c.update(g.window(idle=0.1, retained=1.0)) == pytest.approx(1 / 0.75 / 0.9)
     assert c.update(g.window(idle=0.9, retained=1.0)) == pytest.approx(2 / 0.75 / 0.9)  # at most double
+
+
+def test_in_startup_it_doubles_until_a_window_does_not_grow():
+    c, g = BudgetController(startup=True), Gate()
+    start(c, g)
+    assert c.update(g.window(idle=0.05, retained=1.0)) == pytest.approx(MAX_GROWTH)
+    assert c.update(g.window(idle=0.3, retained=1.0)) == pytest.approx(MAX_GROWTH ** 2)
+    assert c.startup
+    assert c.update(g.window(idle=0.0, retained=1.0)) == pytest.approx(MAX_GROWTH ** 2)  # held: startup ends
+    assert not c.startup and c.last.why == "hold"
+    assert c.update(g.window(idle=0.2, retained=1.0)) == pytest.approx(MAX_GROWTH ** 2 / 0.8)  # rule 1's step again
+
+
+def test_startup_grows_only_where_rule_1_would_and_ends_at_a_back_off():
+    # re-prefill above the idle share: no growth, in startup or not
+    c, g = BudgetController(startup=True), Gate(cost=0.001)
+    start(c, g)
+    assert c.update(g.window(idle=0.1, waste=0.3, fresh=1_000)) == 1.0 and not c.startup
+    # the over-commit bound holds in startup too (the numbers of the bound's own test below)
+    c, g = BudgetController(startup=True), Gate(cost=0.002, capacity=10_000)
+    start(c, g)
+    assert c.update(g.window(idle=0.3, retained=1.0)) == pytest.approx(1.15) and c.startup
+    assert c.update(g.window(idle=0.3, retained=1.0)) == pytest.approx(1.15) and not c.startup
+    # a thrash in startup backs off as ever, and ends it
+    c, g = BudgetController(startup=True), Gate(cost=0.001)
+    start(c, g)
+    assert c.update(g.window(idle=0.1, retained=1.0)) == pytest.approx(MAX_GROWTH)
+    assert c.update(g.window(idle=0.0, waste=THRASH, fresh=1_000)) == pytest.approx(MAX_GROWTH * BACKOFF)
+    assert not c.startup and c.last.why == "backoff"
 
 
 def test_busy_engines_and_a_kept_cache_hold_the_scale():
@@ -204,7 +233,7 @@ def test_reset_starts_from_the_ledger():
     start(c, g)
     c.update(g.window(idle=0.5, retained=1.0))
     c.reset()
-    assert c.scale == 1.0 and c.last is None
+    assert c.scale == 1.0 and c.last is None and c.startup  # nothing measured of these engines
 
 
 def test_a_start_scale_that_is_not_finite_is_the_ledger():

@@ -71,5 +71,18 @@ def test_readings_grow_the_scale_from_the_published_one_and_an_epoch_resets_it(c
     assert asyncio.run(r.measure([scrape(100, 100), failed])) == pytest.approx(2.0 / 0.9)  # not read
     ledger(client, epoch=2)
     assert asyncio.run(r.measure([scrape(200, 200)])) == 1.0  # other engines: start over from the ledger
+    assert r.controller.startup  # nothing measured of them yet
     r.new_term()
     assert asyncio.run(r.measure([scrape(200, 200)])) == 2.0  # a new term: the scale the gate publishes
+    assert not r.controller.startup  # the scale another leader measured: no startup from there
+
+
+def test_a_gate_with_no_published_scale_starts_in_startup(client):
+    r = BudgetReader(client, "bs", kvgate.GateConfig(), CallThreads(bound_s=2.0))
+    client.hset(keys.key("bs", "ledger"), mapping={"epoch": 1, "acc_ts": 1000, "acc_wait_ms": 0, "acc_idle_ms": 0,
+                                                    "n_released": 0, "tok_fresh": 0, "tok_reusable": 0})
+    assert asyncio.run(r.measure([scrape(0, 0)])) == 1.0 and r.controller.startup
+    # 8 releases over 10 s, 1 s of it idle with turns waiting: doubles, where rule 1 alone grows x 1 / 0.9
+    client.hset(keys.key("bs", "ledger"), mapping={"acc_ts": 11_000, "acc_wait_ms": 5_000, "acc_idle_ms": 1_000,
+                                                    "n_released": 8})
+    assert asyncio.run(r.measure([scrape(100, 100)])) == pytest.approx(2.0)

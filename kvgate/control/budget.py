@@ -10,8 +10,10 @@ in engine time:
 * **idle**: the share of the window's time the engines had no turn of the gate in flight
   while turns waited in the FIFO (the scripts integrate it exactly). It is work lost for
   certain: while it exceeds the waste below, the scale grows to carry the work that time
-  could have done, ``scale / (1 - idle)`` (at most doubling per window); past the pool, no
-  further than the re-prefill of the over-commit costs what the idle time could have done.
+  could have done, ``scale / (1 - idle)`` (at most doubling per window; doubling outright in
+  startup, from the ledger with nothing measured, until a window does not grow); past the
+  pool, no further than the re-prefill of the over-commit costs what the idle time could have
+  done.
 * **waste**: the share of the engines' time spent re-prefilling histories they had already
   computed: the re-prefilled tokens (their prefix-cache counters against the fresh tokens the
   gate admitted) times the cost of a prefilled token, the least their prefill time per
@@ -37,13 +39,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Reading", "Window", "BudgetController", "MIN_RELEASES", "IDLE_FLOOR", "BACKOFF", "THRASH",
+__all__ = ["Reading", "Window", "BudgetController", "MIN_RELEASES", "IDLE_FLOOR", "MAX_GROWTH", "BACKOFF", "THRASH",
            "MIN_SCALE", "MIN_PREFILL_TOKENS", "NOISE", "EWMA"]
 
 #: a window needs at least this many turns released to say anything about the cache
 MIN_RELEASES = 8
 #: idle shares (of a window's time) below this do not grow the scale: jitter, not spare engines
 IDLE_FLOOR = 0.02
+#: the most one window grows the scale: doubling, as TCP's slow start per round trip
+MAX_GROWTH = 2.0
 #: the multiplicative back-off when the held sessions thrash (as TCP's and BBR's 0.7)
 BACKOFF = 0.7
 #: the share of the engines' time re-prefilling at which the held sessions thrash: more of it
@@ -94,8 +98,11 @@ class Window:
 class BudgetController:
     """Feed it :meth:`update` once per poller tick; it answers the scale to publish."""
 
-    def __init__(self, scale: float = 1.0) -> None:
+    def __init__(self, scale: float = 1.0, startup: bool = False) -> None:
         self.scale = max(MIN_SCALE, scale) if math.isfinite(scale) else 1.0
+        # starting from the ledger with nothing measured, growth takes rule 1's largest step
+        # (doubling) until the first window that does not grow (TCP's slow start, BBR's startup)
+        self.startup = startup
         self._start: Reading | None = None
         # the retained share at scale 1 (None: not measured yet, counted as 1: keep everything)
         self.ledger_retained: float | None = None
@@ -109,8 +116,9 @@ class BudgetController:
         self.last: Window | None = None
 
     def reset(self) -> None:
-        """Start over from the seeds' ledger (a new engine set: what was learned is of others)."""
-        self.__init__()
+        """Start over from the seeds' ledger (a new engine set: what was learned is of others),
+        in startup."""
+        self.__init__(startup=True)
 
     def update(self, r: Reading | None) -> float:
         if r is None:
@@ -124,6 +132,8 @@ class BudgetController:
         self._start = r
         self.last = self._close(s, r)
         self.scale = self.last.scale_after
+        if self.last.why != "grow":
+            self.startup = False
         return self.scale
 
     def _close(self, s: Reading, r: Reading) -> Window:
@@ -153,7 +163,8 @@ class BudgetController:
             over = self._overcommit_bound(idle * span / 1000.0, r)
             bound = min(self.limit, over)
             if before < bound:
-                return window(min(bound, before / max(0.5, 1.0 - idle)), "grow")
+                gain = MAX_GROWTH if self.startup else 1.0 / max(1.0 / MAX_GROWTH, 1.0 - idle)
+                return window(min(bound, before * gain), "grow")
             if self.limit <= over and not lost_work:
                 # the bound learned from a thrash holds the scale while the engines idle, and
                 # nothing thrashes at it: what thrashed then (a burst of young sessions, another

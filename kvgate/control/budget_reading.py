@@ -106,7 +106,9 @@ class BudgetReader:
             # a new term continues from the scale the gate publishes (a dead leader changes
             # nothing but freshness)
             published = num(raw["published"])
-            self.controller = BudgetController(published if published > 0 else 1.0)
+            # (from the ledger, with nothing measured: in startup)
+            self.controller = (BudgetController(published) if published > 0
+                               else BudgetController(startup=True))
             self._epoch = epoch
         elif epoch != self._epoch:
             self.controller.reset()  # another engine set: what was learned was about the old one
