@@ -39,8 +39,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Reading", "Window", "BudgetController", "MIN_RELEASES", "IDLE_FLOOR", "MAX_GROWTH", "BACKOFF", "THRASH",
-           "MIN_SCALE", "MIN_PREFILL_TOKENS", "NOISE", "EWMA"]
+__all__ = ["Reading", "Window", "BudgetController", "MIN_RELEASES", "IDLE_FLOOR", "MAX_GROWTH", "BACKOFF",
+           "THRASH", "MIN_SCALE", "MIN_PREFILL_TOKENS", "NOISE", "EWMA"]
 
 #: a window needs at least this many turns released to say anything about the cache
 MIN_RELEASES = 8
