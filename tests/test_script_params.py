@@ -61,3 +61,27 @@ def test_the_client_surfaces_a_missing_knob_as_it_surfaces_any_script_error(back
     # an operator's call raises what Redis answered
     with pytest.raises(redis.ResponseError, match="missing required parameter 'staleness_ms'"):
         g.housekeep()
+
+
+def test_the_knobs_come_apart_from_the_parameters_and_each_call_reads_the_ones_it_sent(backend, clock):
+    # ARGV[3] holds the knobs (the function library keeps each text it has decoded: a new text
+    # is read afresh, however many it has seen); a parameter of ARGV[2] wins over a knob
+    g = mkgate(backend, clock, gate="sp")
+    g.write_snapshot(engines(usage=0.1))
+    clock.ms += 1000  # the snapshot is a second old now
+    turn = dict(need=10, probe=-2)
+    assert script(g, "acquire", ticket="t0", session="s", **turn)["o"] == "admit"
+    assert script(g, "acquire", ticket="t1", session="s", staleness_ms=500, **turn)["r"] == "degraded"
+    fresh = dict(g._flows.knobs)
+    # more distinct knobs texts than the library keeps (lua/includes/common.lua KNOBS_MAX_SEEN)
+    for i in range(70):
+        stale = i % 2 == 1
+        g._flows.knobs = {**fresh, "staleness_ms": 500 + i if stale else 5000 + i}
+        out = script(g, "acquire", ticket=f"u{i}", session=f"s{i}", **turn)
+        assert out["r"] == ("degraded" if stale else "open"), (i, out)
+    g._flows.knobs = fresh
+    assert script(g, "acquire", ticket="t2", session="s2", **turn)["o"] == "admit"
+    # a knob left out of ARGV[3] is named when read (a turn's script error is a fault)
+    g._flows.knobs = {k: v for k, v in fresh.items() if k != "headroom"}
+    with pytest.raises(RedisDown, match="missing required parameter 'headroom'"):
+        script(g, "acquire", ticket="t3", session="s3", **turn)

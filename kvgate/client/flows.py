@@ -507,18 +507,15 @@ class GateFlows:
     @knobs.setter
     def knobs(self, knobs: dict) -> None:
         self._knobs = dict(knobs)
-        # their JSON, written once: a call adds its own parameters to it
+        # their JSON, written once: every call sends the same text (ARGV[3])
         self._knobs_json = _json(self._knobs)
 
     def eval_op(self, script: str, params: dict) -> Eval:
         """The call of ``script``: ARGV[1] the injected script clock (empty: Redis time),
-        ARGV[2] the knobs with ``params`` as JSON."""
+        ARGV[2] ``params`` as JSON, ARGV[3] the knobs' JSON, the same text on every call (the
+        function library decodes it once: lua/includes/common.lua)."""
         now = "" if self.script_clock_ms is None else str(int(self.script_clock_ms()))
-        if not params:
-            return Eval(script, params, (now, self._knobs_json))
-        if not self._knobs or self._knobs.keys() & params.keys():
-            return Eval(script, params, (now, _json({**self._knobs, **params})))
-        return Eval(script, params, (now, self._knobs_json[:-1] + "," + _json(params)[1:]))
+        return Eval(script, params, (now, _json(params), self._knobs_json))
 
     # -- a turn ---------------------------------------------------------------------------
     def acquire(self, session_id: Any, *, has_probe: bool, **kw: Any) -> Flow:

@@ -27,11 +27,16 @@
 
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME); tests and the
     simulator inject it.
-  ARGV[2] a JSON object of named parameters; each script's header lists those it reads.
-    P.<name> reads a required one: absent (or JSON null) is a Lua error that names it, raised
-    where it is read. OPT.<name> reads an optional one: nil when absent. No default lives in
-    Lua: the client sends every knob (kvgate/client/flows.py knob_params, from the defaults
-    of kvgate/config.py).
+  ARGV[2] a JSON object of named parameters: the call's own; each script's header lists
+    those it reads.
+  ARGV[3] (optional) a JSON object of the gate's knobs, the same text on every call of one
+    gate object (kvgate/client/flows.py knob_params, from the defaults of kvgate/config.py).
+    The function library decodes each distinct text once and keeps it (KNOBS_SEEN), so a
+    turn's calls decode only their own parameters (docs/benchmarks.md, where the server time
+    goes). A name in ARGV[2] wins over the same name in ARGV[3].
+    P.<name> reads a required parameter or knob: absent from both (or JSON null) is a Lua
+    error that names it, raised where it is read. OPT.<name> reads an optional parameter of
+    ARGV[2]: nil when absent. No default lives in Lua.
 
   The knobs are sent with every call and required by every script that reads them; a
   script's header names the ones it reads in the knobs entry of its ARGV[2].
@@ -69,6 +74,12 @@ local KEY_ROLES = { "ledger", "snapshot", "fifo", "waiters", "alive", "session_w
 local NOW = 0
 -- the parameters: OPT.<name> is nil when absent
 local OPT = {}
+-- the knobs of this call (ARGV[3], decoded), and every knobs text seen (text -> decoded):
+-- a function library's tables outlive a call, so a gate's knobs are decoded once per server
+-- process; a new text past KNOBS_MAX_SEEN starts the table afresh (a server that serves
+-- many gate configurations keeps the latest ones, not all)
+local KN = {}
+local KNOBS_SEEN, KNOBS_N, KNOBS_MAX_SEEN = {}, 0, 64
 -- the ledger hash, read whole once per call (HGETALL: a dozen small fields) and written back
 -- once, by finish(): a turn reads and writes several of its fields (the reservation, the
 -- clock of the time integrals, the epoch, the counters of the budget), each one more command
@@ -95,20 +106,38 @@ end
 local P = {}
 local P_META = { __index = function(_, name)
   local v = OPT[name]
+  if v == nil then v = KN[name] end
   if v == nil then
-    error("kvgate: missing required parameter '" .. tostring(name) .. "' in ARGV[2]", 2)
+    error("kvgate: missing required parameter '" .. tostring(name) .. "' in ARGV[2] or ARGV[3]", 2)
   end
   return v
 end }
+
+-- a decoded JSON object with its nulls made absent (cjson decodes null as a sentinel that is
+-- not nil)
+local function decode_params(text)
+  local t = cjson.decode(text)
+  for k, v in pairs(t) do
+    if v == cjson.null then t[k] = nil end
+  end
+  return t
+end
 
 local function begin(keys, argv)
   setmetatable(P, P_META)
   for i, role in ipairs(KEY_ROLES) do K[role] = keys[i] end
   NOW = now_ms(argv[1])
-  -- a JSON null is an absent parameter (cjson decodes it as a sentinel that is not nil)
-  OPT = cjson.decode(argv[2] or "{}")
-  for k, v in pairs(OPT) do
-    if v == cjson.null then OPT[k] = nil end
+  OPT = decode_params(argv[2] or "{}")
+  local knobs = argv[3]
+  if knobs == nil then
+    KN = {}
+  else
+    KN = KNOBS_SEEN[knobs]
+    if KN == nil then
+      KN = decode_params(knobs)
+      if KNOBS_N >= KNOBS_MAX_SEEN then KNOBS_SEEN, KNOBS_N = {}, 0 end
+      KNOBS_SEEN[knobs], KNOBS_N = KN, KNOBS_N + 1
+    end
   end
   LEDGER, LEDGER_DIRTY, FREED = nil, {}, false
 end
