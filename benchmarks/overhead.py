@@ -356,7 +356,9 @@ def script_breakdown(url: str, turns: int) -> dict:
                      "by_command": {k: round(v / turns, 2)
                                     for k, v in sorted(per[name].items(), key=lambda kv: -kv[1])}}
     # the fixed cost of a kvgate script call: its KEYS and ARGV, then the shared helpers
-    argv = list(gate._flows.eval_op("acquire", {}).argv)
+    # (an acquire's ARGV: the clock, a turn's parameters, the gate's knobs)
+    argv = list(gate._flows.eval_op("acquire", dict(ticket="t", session="s", need=PROMPT + NEW_TOKENS, prompt=PROMPT,
+                                                    protected=0, retain=1, probe=-2)).argv)
     includes = "".join(f"--@include {n}\n" for n in ("common", "snapshot", "windows", "leases", "waiters"))
     base = lua_dir()
     shared = render(includes, lambda n: (base / "includes" / f"{n}.lua").read_text())
@@ -400,7 +402,8 @@ UNIT_REPEAT = 20
 
 def unit_steps(record: str) -> dict[str, str]:
     """Lua for the steps a kvgate script is made of, each measured alone: a command called
-    from Lua (a read, a write), a stored JSON record decoded and encoded, the parameters' JSON decoded, the
+    from Lua (a read, a write), a stored JSON record decoded and encoded, a turn's parameters' JSON
+    and the knobs' JSON decoded (the function library decodes the knobs once: common.lua), the
     clock, and the server's run_id (lua/includes/common.lua server_id)."""
     lit = json.dumps(record)  # a JSON string of ASCII is a valid Lua string literal
     return {"read command (HGET)": "redis.call('HGET', KEYS[1], 'reserved')",
@@ -408,6 +411,7 @@ def unit_steps(record: str) -> dict[str, str]:
             "record decode": f"cjson.decode({lit})",
             "record decode + encode": f"cjson.encode(cjson.decode({lit}))",
             "parameters decode (ARGV[2])": "cjson.decode(ARGV[2])",
+            "knobs decode (ARGV[3])": "cjson.decode(ARGV[3])",
             "TIME": "redis.call('TIME')",
             "INFO server": "redis.call('INFO', 'server')"}
 

@@ -32,9 +32,9 @@
     ch (str, optional): the pub/sub channel the caller's gate object listens on besides the
       gate's (kvgate.keys.listener_channel): this attempt's grant and preemption are published
       there if it waits; absent: on the gate's channel
-    knobs: admission, residency, high_watermark, pressure_threshold, hit_threshold, headroom,
-      budget_scale, staleness_ms, lease_ttl_ms, claim_ms, idle_grace_ms, alive_ms,
-      max_wait_ms, max_wait_hard_ms, reap_batch, channel
+  ARGV[3] knobs (includes/common.lua): admission, residency, high_watermark,
+    pressure_threshold, hit_threshold, headroom, budget_scale, staleness_ms, lease_ttl_ms,
+    claim_ms, idle_grace_ms, alive_ms, max_wait_ms, max_wait_hard_ms, reap_batch, channel
   Returns: JSON {o=outcome, r=reason, ep=epoch, srv=the Redis process's run_id (common.lua server_id), w=waited ms, t=charged tokens, held=1 (rule 4),
     pos=FIFO position (wait), b=when a new attempt began (probe: send it back as t0)}
     o = "admit" | "bypass" | "wait" | "probe" (not enqueued: probe, then call again with the

@@ -5,8 +5,8 @@
 
   KEYS used: ledger, totals
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
-  ARGV[2] JSON object of named parameters:
-    knobs: channel
+  ARGV[2] JSON object of named parameters: none (an empty object)
+  ARGV[3] knobs (includes/common.lua): channel
   Returns: JSON {epoch=n}
   Publishes: "e <epoch>".
   Errors: a required parameter that is missing (includes/common.lua).

@@ -11,8 +11,9 @@
     degraded (0/1, optional): 1: the caller's own clock gave up on the wait although the
       scripts' clock did not age it (a clock fault): counted as a degraded bypass, not a
       cancel; absent: a cancel
-    knobs: admission, residency, high_watermark, pressure_threshold, headroom,
-      budget_scale, staleness_ms, lease_ttl_ms, claim_ms, idle_grace_ms, reap_batch, channel
+  ARGV[3] knobs (includes/common.lua): admission, residency, high_watermark,
+    pressure_threshold, headroom, budget_scale, staleness_ms, lease_ttl_ms, claim_ms,
+    idle_grace_ms, reap_batch, channel
   Returns: JSON {removed="waiter"|"lease"|"none", srv=the Redis process's run_id (common.lua server_id)}
   Publishes: "g <ticket>" for each FIFO head granted after the removal.
   Errors: a required parameter that is missing (includes/common.lua).

@@ -6,7 +6,8 @@
   ARGV[1] now: the clock in ms, or "" for the Redis server clock (TIME)
   ARGV[2] JSON object of named parameters:
     drain (0/1, required): 1: reset the step window; 0: a peek
-    knobs: staleness_ms, budget_scale, headroom (the ceiling, computed as acquire.lua does)
+  ARGV[3] knobs (includes/common.lua): staleness_ms, budget_scale, headroom (the ceiling,
+    computed as acquire.lua does)
   Returns: JSON {stats={field=value...}, reserved, epoch, leases, waiting, windows,
     capacity, ceiling (tokens), budget_scale (the scale in use), usage, hit_rate,
     snapshot_age_ms (-1 when none), n_healthy, now, prefill_s_per_token, prefill_load

@@ -11,8 +11,9 @@
     again (0|1, optional): 1 when the client sends a finish again because another Redis
       process answers (a failover may have lost it); counted in session_finished only when
       it still ended a window, stopped an attempt or forgot a preemption count
-    knobs: admission, residency, high_watermark, pressure_threshold, headroom,
-      budget_scale, staleness_ms, lease_ttl_ms, claim_ms, reap_batch, channel
+  ARGV[3] knobs (includes/common.lua): admission, residency, high_watermark,
+    pressure_threshold, headroom, budget_scale, staleness_ms, lease_ttl_ms, claim_ms,
+    reap_batch, channel
   Returns: JSON {window=0|1, freed=<tokens returned>, stopped=<ticket or "">,
     num_preempted=<its preempted attempts>, srv=the Redis process's run_id (common.lua server_id)}
   Publishes: "p <ticket>" for the stopped attempt, "g <ticket>" for FIFO grants.

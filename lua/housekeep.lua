@@ -9,8 +9,9 @@
   ARGV[2] JSON object of named parameters:
     limit (count, required): the most items of each kind this call handles (in place of
       reap_batch)
-    knobs: admission, residency, high_watermark, pressure_threshold, headroom, budget_scale,
-      staleness_ms, lease_ttl_ms, claim_ms, idle_grace_ms, channel
+  ARGV[3] knobs (includes/common.lua): admission, residency, high_watermark,
+    pressure_threshold, headroom, budget_scale, staleness_ms, lease_ttl_ms, claim_ms,
+    idle_grace_ms, channel
   Returns: JSON {leases=n, windows=n, waiters=n, revoked=n, granted=n}
   Publishes: "g <ticket>" for each FIFO head granted.
   Errors: a required parameter that is missing (includes/common.lua).

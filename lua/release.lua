@@ -16,8 +16,9 @@
       (totals lat_us_sum:<turn>, in whole microseconds, and lat_n:<turn>); recorded only
       with turn_index
     turn_index (int, optional): the turn's index in its session (indices past 63 count as 63)
-    knobs: admission, residency, high_watermark, pressure_threshold, headroom,
-      budget_scale, staleness_ms, lease_ttl_ms, claim_ms, idle_grace_ms, reap_batch, channel
+  ARGV[3] knobs (includes/common.lua): admission, residency, high_watermark,
+    pressure_threshold, headroom, budget_scale, staleness_ms, lease_ttl_ms, claim_ms,
+    idle_grace_ms, reap_batch, channel
   Returns: JSON {released=0|1, granted=<FIFO grants made>, srv=the Redis process's run_id (common.lua server_id)}
   Publishes: "g <ticket>" for each FIFO head granted.
   Errors: a required parameter that is missing (includes/common.lua).

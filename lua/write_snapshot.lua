@@ -15,8 +15,9 @@
       measured)
     measured_scale (factor, optional): the budget scale the poller's controller measured,
       stored with the time it was written; absent: the stored one is left as it is
-    knobs: admission, residency, high_watermark, pressure_threshold, headroom,
-      budget_scale, staleness_ms, lease_ttl_ms, claim_ms, reap_batch, channel
+  ARGV[3] knobs (includes/common.lua): admission, residency, high_watermark,
+    pressure_threshold, headroom, budget_scale, staleness_ms, lease_ttl_ms, claim_ms,
+    reap_batch, channel
   Returns: JSON {epoch=n, bumped=0|1, capacity=tokens, usage=float, n_healthy=n}
   Publishes: "e <epoch>" on a bump, "g <ticket>" for FIFO grants.
   Errors: a required parameter that is missing (includes/common.lua).

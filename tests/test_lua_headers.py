@@ -9,7 +9,8 @@ The header format (BullMQ-style, see lua/includes/common.lua for the shared part
   ARGV[2] JSON object ...:                scripts only; entries at four spaces:
     name (type, required): meaning          read as P.name (a missing one is an error)
     name (type, optional): meaning          read as OPT.name (nil when absent)
-    knobs: name, name, ...                  knobs it reads (P.name), described in common.lua
+  ARGV[3] knobs (...): name, name, ...    scripts only: the knobs it reads (P.name), described
+                                          in common.lua
   Returns: ... / Publishes: "g <ticket>" ...
   Knobs read: name, ... | none            includes only: the knobs their own functions read
   Gate keys: / Knobs:                     common.lua only: the catalogues (role (TYPE): ...,
@@ -210,22 +211,16 @@ class Header:
         return out
 
     def params(self) -> tuple[dict[str, str], set[str]]:
-        """ARGV[2]: its parameters (name -> "required" / "optional") and its knobs."""
+        """ARGV[2]: its parameters (name -> "required" / "optional"); ARGV[3]: its knobs."""
         params: dict[str, str] = {}
-        knobs: set[str] | None = None
         for first, whole in self.entries("ARGV[2]"):
-            if first.startswith("knobs:"):
-                if knobs is not None:
-                    raise HeaderError("ARGV[2]: two knobs entries")
-                knobs = Header("", {"knobs": [whole.split(":", 1)[1]]}).names("knobs")
-                continue
             m = PARAM.match(whole)
             if not m or not m.group(2).strip():
                 raise HeaderError(f"ARGV[2]: not 'name (type, required|optional): meaning': {first!r}")
             if m.group(1) in params:
                 raise HeaderError(f"ARGV[2]: {m.group(1)} declared twice")
             params[m.group(1)] = m.group(3)
-        return params, knobs or set()
+        return params, self.names("ARGV[3]")
 
     def catalogue(self, heading: str) -> list[str]:
         """common.lua's catalogues: 'name (type or unit): meaning', in order."""
@@ -255,7 +250,7 @@ def parse_header(src: str, file: str) -> Header:
             raise HeaderError(f"{file}: a line indented {indent} in a section (headings at 2, entries at 4): {line!r}")
         m = SECTION.match(line) if indent == 2 else None
         if m and (m.group(1) in ("KEYS used", "Returns", "Publishes", "Knobs read", "Knobs", "Gate keys")
-                  or m.group(1).startswith(("ARGV[1] ", "ARGV[2] "))):
+                  or m.group(1).startswith(("ARGV[1] ", "ARGV[2] ", "ARGV[3] "))):
             heading = m.group(1)
             if heading in sections:
                 raise HeaderError(f"{file}: two {heading!r} sections")
@@ -296,7 +291,7 @@ def script_problems(name: str) -> list[str]:
         problems.append(f"{name}.lua lists knobs that are not knobs: {sorted(knobs - set(KNOBS))}")
     if set(params) & set(KNOBS):
         problems.append(f"{name}.lua describes knobs as its own parameters: {sorted(set(params) & set(KNOBS))} "
-                        f"(list them in its knobs entry; common.lua describes them)")
+                        f"(list them in its ARGV[3] knobs; common.lua describes them)")
     if set(h.names("KEYS used")) - set(SCRIPT_KEYS):
         problems.append(f"{name}.lua names KEYS that are no gate key: {sorted(h.names('KEYS used') - set(SCRIPT_KEYS))}")
     for heading in ("ARGV[1]", "Returns"):
@@ -383,7 +378,7 @@ SAMPLE = '''--[[
     ticket (str, required): the ticket, described over
       two lines
     gap (ms, optional): time away
-    knobs: reap_batch, channel
+  ARGV[3] knobs (the gate's): reap_batch, channel
   Returns: JSON {}
   Publishes: "g <ticket>" for grants
 ]]
@@ -402,12 +397,17 @@ def test_the_header_parser_reads_the_format():
     ("   ticket (str, required): three spaces", "indented 3"),
     ("     ticket (str, required): five spaces, after an entry", "neither an entry"),
     ("    gap (ms, optional): again", "declared twice"),
-    ("    knobs: reap_batch, Channel!", "is not a name"),
+    ("    knobs: reap_batch, channel", "not 'name"),  # knobs are ARGV[3]'s, not parameters
 ])
 def test_the_header_parser_refuses_what_is_not_the_format(bad, message):
     src = SAMPLE.replace("    gap (ms, optional): time away", "    gap (ms, optional): time away\n" + bad)
     with pytest.raises(HeaderError, match=re.escape(message)):
         parse_header(src, "sample.lua").params()
+
+
+def test_the_header_parser_refuses_a_knob_that_is_not_a_name():
+    with pytest.raises(HeaderError, match="is not a name"):
+        parse_header(SAMPLE.replace("reap_batch, channel", "reap_batch, Channel!"), "sample.lua").params()
 
 
 def test_the_check_finds_an_undeclared_read_and_a_declared_unread_one(tmp_path, monkeypatch):

@@ -39,7 +39,7 @@
     ARGV[2]: nil when absent. No default lives in Lua.
 
   The knobs are sent with every call and required by every script that reads them; a
-  script's header names the ones it reads in the knobs entry of its ARGV[2].
+  script's header names the ones it reads in its ARGV[3] entry.
   Knobs:
     admission (0/1): the admission feature is on (ledger, pressure guard, strict FIFO)
     residency (0/1): the residency feature is on (ownership windows, prefix probes)
