@@ -66,7 +66,7 @@ def test_quick_run_reports_every_figure_with_sane_counts(tmp_path):
     assert {"return_1", "helpers_only", "function_empty"} <= set(b)
     assert all(b[k]["server_us"] > 0 for k in ("return_1", "helpers_only", "function_empty"))
     assert set(b["units_us"]) == {"read command (HGET)", "write command (HSET)", "record decode", "record decode + encode",
-                                  "parameters decode (ARGV[2])", "TIME", "INFO server"}
+                                  "parameters decode (ARGV[2])", "knobs decode (ARGV[3])", "TIME", "INFO server"}
     assert all(v >= 0 for v in b["units_us"].values())
 
     assert set(out["waiters"]) == {"10", "100"}
