@@ -78,7 +78,9 @@ local OPT = {}
 -- a function library's tables outlive a call, so a gate's knobs are decoded once per server
 -- process; a new text past KNOBS_MAX_SEEN starts the table afresh (a server that serves
 -- many gate configurations keeps the latest ones, not all)
-local KN = {}
+-- (NO_KNOBS: a call without ARGV[3]; nothing writes to the knobs, so one empty table serves)
+local NO_KNOBS = {}
+local KN = NO_KNOBS
 local KNOBS_SEEN, KNOBS_N, KNOBS_MAX_SEEN = {}, 0, 64
 -- the ledger hash, read whole once per call (HGETALL: a dozen small fields) and written back
 -- once, by finish(): a turn reads and writes several of its fields (the reservation, the
@@ -130,7 +132,7 @@ local function begin(keys, argv)
   OPT = decode_params(argv[2] or "{}")
   local knobs = argv[3]
   if knobs == nil then
-    KN = {}
+    KN = NO_KNOBS
   else
     KN = KNOBS_SEEN[knobs]
     if KN == nil then
