@@ -20,7 +20,7 @@ in engine time:
   prefilled token has been in any window of this term (as BBR takes the least round trip: the
   engines' own counters also count time a request queued or shared its batch, which only ever
   adds). A waste of half the engines' time or more, above the idle share, means the held
-  sessions thrash: the scale backs off, ``scale x 0.7`` (down to a quarter of the ledger), and
+  sessions thrash: the scale backs off, ``scale x 0.7`` (never below the ledger, scale 1), and
   from then on grows no further than part-way back to where it thrashed (BBR v2's
   ``inflight_hi``: a bound learned from loss, here from lost work), until the engines have
   idled at that bound, losing no work, as long as the thrash cost them: then the bound steps
@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["Reading", "Window", "BudgetController", "MIN_RELEASES", "IDLE_FLOOR", "MAX_GROWTH", "BACKOFF",
-           "THRASH", "MIN_SCALE", "MIN_PREFILL_TOKENS", "NOISE", "EWMA"]
+           "THRASH", "MIN_PREFILL_TOKENS", "NOISE", "EWMA"]
 
 #: a window needs at least this many turns released to say anything about the cache
 MIN_RELEASES = 8
@@ -53,8 +53,6 @@ BACKOFF = 0.7
 #: the share of the engines' time re-prefilling at which the held sessions thrash: more of it
 #: than of everything else they do
 THRASH = 0.5
-#: the least the scale backs off to: a quarter of what the seeds' ledger holds
-MIN_SCALE = 0.25
 #: a window must have prefilled this many tokens to measure what one costs
 MIN_PREFILL_TOKENS = 256
 #: retained history within this fraction of what scale 1 served counts as no worse (the
@@ -99,7 +97,8 @@ class BudgetController:
     """Feed it :meth:`update` once per poller tick; it answers the scale to publish."""
 
     def __init__(self, scale: float = 1.0, startup: bool = False) -> None:
-        self.scale = max(MIN_SCALE, scale) if math.isfinite(scale) else 1.0
+        # never below the ledger (a scale an older poller published below it starts there)
+        self.scale = max(1.0, scale) if math.isfinite(scale) else 1.0
         # starting from the ledger with nothing measured, growth takes rule 1's largest step
         # (doubling) until the first window that does not grow (TCP's slow start, BBR's startup)
         self.startup = startup
@@ -146,7 +145,7 @@ class BudgetController:
         retained = _retained(s, r)
         waste = self._waste(s, r, span)
         window = lambda after, why: Window(idle, retained, waste, before, after, why)  # noqa: E731
-        if retained is not None and before <= 1.0:
+        if retained is not None and before == 1.0:
             old = self.ledger_retained
             self.ledger_retained = retained if old is None else old + EWMA * (retained - old)
         known_waste = waste if waste is not None else 0.0
@@ -154,7 +153,7 @@ class BudgetController:
             lost_work = waste >= THRASH
         else:
             # no prefill time: history served per unit of the seeds' ledger, against what the
-            # ledger served (never below the ledger itself)
+            # ledger served
             ledger = self.ledger_retained if self.ledger_retained is not None else 1.0
             lost_work = retained is not None and before > 1.0 and before * retained < (1.0 - NOISE) * ledger
         if idle is not None and idle >= IDLE_FLOOR and idle > known_waste:
@@ -172,7 +171,7 @@ class BudgetController:
                 # thrash cost, the bound steps back up by what one back-off took off it (ski
                 # rental: hold until holding has cost what the probe may; BBR v2 raises
                 # inflight_hi when a probe finds no loss). Without this every later
-                # thrash would lower it for good, down to MIN_SCALE over a long run.
+                # thrash would lower it for good, down to the ledger over a long run.
                 self.paid += idle
                 if self.paid >= self.debt:
                     self.limit = self.limit / math.sqrt(BACKOFF)
@@ -180,12 +179,17 @@ class BudgetController:
                     return window(before, "relax")
             return window(before, "hold")
         thrash = lost_work and (waste is None or waste > (idle or 0.0))
-        if thrash and before > MIN_SCALE:
-            self.limit = before * math.sqrt(BACKOFF)
+        if thrash and before > 1.0:
+            # never below the ledger: what the scale adds above it is the over-commit, which a
+            # back-off to 1 takes away whole. Below it the gate would hold fewer sessions than
+            # the pool fits, and the trim would revoke windows whose owners come back to a cold
+            # re-prefill: the next windows' re-prefill, which no lower scale removes
+            # (docs/budget.md#never-below-the-ledger)
+            after = max(1.0, before * BACKOFF)
+            self.limit = max(after, before * math.sqrt(BACKOFF))
             # what the thrash cost, in windows of the engines' time: the bound's price
             self.debt, self.paid = (waste if waste is not None else THRASH), 0.0
-            floor = MIN_SCALE if waste is not None else 1.0
-            return window(max(floor, before * BACKOFF), "backoff")
+            return window(after, "backoff")
         return window(before, "hold")
 
     def _overcommit_bound(self, idle_s: float, r: Reading) -> float:

@@ -57,9 +57,8 @@ local function trim(snap, limit)
   if P.admission ~= 1 or P.residency ~= 1 or not snap.fresh then return 0 end
   -- hysteresis: windows may grow past the ceiling (rules 5 and 7); only when they outgrow
   -- the budget's share of the engines' whole capacity (ceiling / headroom) are windows
-  -- revoked, down to the ceiling. Below scale 1 too: there the measured budget says the held
-  -- sessions thrash the pool, and a revoked session waits warm-free instead of every session
-  -- re-prefilling (docs/budget.md)
+  -- revoked, down to the ceiling (the measured scale is 1 or more; the budget_scale override
+  -- may set less: docs/budget.md)
   local r = reserved()
   if r <= snap.capacity * snap.scale then return 0 end
   local excess = r - snap.ceiling
