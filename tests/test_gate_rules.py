@@ -875,3 +875,33 @@ def test_the_scripts_count_fresh_and_reusable_prompt_tokens(backend, clock):
     g.acquire("s", prompt_tokens=200, max_new_tokens=10).release()  # no window to remember it by
     assert (counters(g)["tok_fresh"], counters(g)["tok_reusable"]) == (430, 100)
     assert counters(g)["n_released"] == 4
+
+
+def test_a_session_whose_window_the_gate_ended_comes_back_to_fresh_tokens(backend, clock):
+    # the re-prefill the controller reads is what the engines lost of what the gate held: a
+    # session whose window was revoked (the trim) or whose grace expired comes back to a
+    # prefill the gate chose, so its history counts as new, not as history the engines kept
+    g = mkgate(backend, clock, headroom=1.0, idle_grace_s=60)
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    for sid in ("a", "b"):
+        g.acquire(sid, prompt_tokens=300, max_new_tokens=0).release()
+    clock.advance(1)
+    g.acquire("a", prompt_tokens=400, max_new_tokens=0).release()  # a's window kept: 300 reusable
+    assert (counters(g)["tok_fresh"], counters(g)["tok_reusable"]) == (700, 300)
+    g.acquire("a", prompt_tokens=800, max_new_tokens=0).release()  # 800 + 300 > 1000: b revoked
+    assert not g.redis.hexists(g.key("windows"), "b") and stat(g, "window_revoked") == 1
+    assert (counters(g)["tok_fresh"], counters(g)["tok_reusable"]) == (1100, 700)
+    g.acquire("a", prompt_tokens=100, max_new_tokens=0).release()  # a's reset context shrinks it
+    g.acquire("b", prompt_tokens=350, max_new_tokens=0).release()  # extends b's 300, but cold
+    assert (counters(g)["tok_fresh"], counters(g)["tok_reusable"]) == (1550, 700)
+    clock.advance(61)  # b's grace expires
+    g.write_snapshot(engines(cap=1000, usage=0.1))
+    g.acquire("b", prompt_tokens=400, max_new_tokens=0).release()
+    assert (counters(g)["tok_fresh"], counters(g)["tok_reusable"]) == (1950, 700)
+    # without windows (residency off) the gate keeps no history charged, and the session's
+    # last prompt is what the engines may still hold, as before
+    g2 = mkgate(backend, clock, residency=False, gate="nowin")
+    g2.write_snapshot(engines(cap=1000, usage=0.1))
+    g2.acquire("s", prompt_tokens=100, max_new_tokens=0).release()
+    g2.acquire("s", prompt_tokens=150, max_new_tokens=0).release()
+    assert (counters(g2)["tok_fresh"], counters(g2)["tok_reusable"]) == (150, 100)

@@ -50,16 +50,21 @@ end
 --   "open"  open (or keep) the window for this session (admitted under pressure)
 local function grant(ticket, session, need, prompt, prev, reason, enq_ms, win_mode, claim, pre)
   local l = { s = session, t = 0, w = 0, a = NOW, e = enq_ms or NOW, r = reason, ep = epoch(), c = 0 }
-  -- what the engines should still hold of this prompt: the session's last prompt, when this
-  -- one extends it, or the shared prefixes other holders keep charged; the rest is new to
-  -- them (the budget controller's re-prefill estimate, docs/budget.md)
+  local win = nil
+  if win_mode ~= nil then win = jget(K.windows, session) end
+  -- what the engines should still hold of this prompt (the budget controller's re-prefill
+  -- estimate, docs/budget.md#the-signals): the session's last prompt, when this one extends it
+  -- and the gate has kept it charged since (the session's window; without windows, as
+  -- before), or the shared prefixes other holders keep charged. The rest is new to them: a
+  -- session whose window the gate ended (the trim revoked it, its grace expired) comes back
+  -- to a prefill the gate chose, so the controller reads as re-prefill only what the engines
+  -- lost of what the gate held
   local reuse = 0
-  if prev > 0 and prompt >= prev then reuse = prev end
+  if prev > 0 and prompt >= prev and (win_mode == nil or win ~= nil) then reuse = prev end
   reuse = math.max(reuse, math.min(need - cost(need, pre), prompt))
   lincr("tok_reusable", reuse)
   lincr("tok_fresh", prompt - reuse)
   if win_mode ~= nil then
-    local win = jget(K.windows, session)
     if win == nil then
       win = { t = 0, h = 1, ep = epoch(), x = 0, id = lincr("wseq", 1) }
       redis.call("ZADD", K.window_order, I(win.id), session)
