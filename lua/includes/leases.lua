@@ -54,11 +54,11 @@ local function grant(ticket, session, need, prompt, prev, reason, enq_ms, win_mo
   if win_mode ~= nil then win = jget(K.windows, session) end
   -- what the engines should still hold of this prompt (the budget controller's re-prefill
   -- estimate, docs/budget.md#the-signals): the session's last prompt, when this one extends it
-  -- and the gate has kept it charged since (the session's window; without windows, as
-  -- before), or the shared prefixes other holders keep charged. The rest is new to them: a
-  -- session whose window the gate ended (the trim revoked it, its grace expired) comes back
-  -- to a prefill the gate chose, so the controller reads as re-prefill only what the engines
-  -- lost of what the gate held
+  -- and the gate has kept it charged since (its window; a gate without windows keeps nothing,
+  -- and counts the last prompt whenever this one extends it), or the shared prefixes other
+  -- holders keep charged. The rest is new to them: a session whose window the gate ended
+  -- (the trim revoked it, its grace expired) comes back to a prefill the gate chose, so the
+  -- controller reads as re-prefill only what the engines lost of what the gate held
   local reuse = 0
   if prev > 0 and prompt >= prev and (win_mode == nil or win ~= nil) then reuse = prev end
   reuse = math.max(reuse, math.min(need - cost(need, pre), prompt))
