@@ -82,3 +82,43 @@ def test_rejects_bad_arguments(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "0"], capture_output=True, text=True,
                        timeout=60, cwd=tmp_path)
     assert r.returncode == 2 and "--rounds must be >= 1" in r.stderr
+
+
+PROFILE = ROOT / "benchmarks" / "lua_profile.py"
+
+
+@pytest.mark.redis_real
+def test_lua_profile_rows_name_the_statements_they_time(tmp_path):
+    """benchmarks/lua_profile.py --quick: a row per statement of acquire.lua's and release.lua's
+    bodies (and of grant and free_lease), each labelled with its file, line and text; a
+    session re-entering its window runs each of them once a turn. Shapes and counts only."""
+    require_binaries("redis-server")
+    r = subprocess.run([sys.executable, str(PROFILE), "--quick", "--json"], capture_output=True, text=True,
+                       timeout=RUN_BOUND_S, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["turns"] == 500 and out["checkpoint_us"] > 0 and out["into"] == ["grant", "free_lease"]
+    rows = {row["statement"]: row for row in out["rows"]}
+    # begin, the body and finish run once per script call: twice a turn
+    assert {rows[k]["per_turn"] for k in ("(begin)", "(body)", "(finish)")} == {2.0}
+    sources = {name: (ROOT / "lua" / path).read_text().split("\n") for name, path in
+               (("acquire.lua", "acquire.lua"), ("release.lua", "release.lua"),
+                ("grant()", "includes/leases.lua"), ("free_lease()", "includes/leases.lua"))}
+    for label, row in rows.items():
+        if label.startswith("("):
+            continue
+        name, _, rest = label.partition(":")
+        line, _, text = rest.partition(" ")
+        # the label's line of the real file starts with the statement the row times
+        assert sources[name][int(line) - 1].strip().startswith(text), label
+    for name in ("acquire.lua", "release.lua", "grant()", "free_lease()"):
+        assert any(label.startswith(name + ":") for label in rows), name
+    # every turn runs each script's accounting once, and grants and returns one lease
+    assert [row["per_turn"] for label, row in rows.items() if label.endswith("account()")] == [1.0, 1.0]
+    assert all(row["per_turn"] == 1.0 for label, row in rows.items()
+               if label.startswith(("grant():", "free_lease():")) and "return" in label)
+
+
+def test_lua_profile_rejects_a_turn_count_it_cannot_flush():
+    r = subprocess.run([sys.executable, str(PROFILE), "--turns", "75"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "multiple of 50" in r.stderr
