@@ -12,8 +12,8 @@ statement of the two scripts' bodies and of the helpers named by ``--into``, eac
 statement's figure therefore excludes the instrumented helpers it calls (their statements
 have their own rows, under the helper's name), and includes everything else it runs: the
 commands it sends, the Lua around them, the uninstrumented helpers. The checkpoints' own cost
-is measured in the same run (two checkpoints with nothing between them) and taken off every
-row. ``begin`` (the call's keys, clock and parameters), ``finish`` (the ledger written back)
+is measured in the same run (checkpoints in a row with nothing between them) and taken off
+every row. ``begin`` (the call's keys, clock and parameters), ``finish`` (the ledger written back)
 and the reply are rows of their own.
 
 It works on a copy of ``lua/`` in a temporary directory, loaded as its own function library
@@ -145,7 +145,6 @@ def profiled_lua(dest: Path, into: tuple[str, ...] = INTO) -> Path:
 
 def profile(url: str, turns: int, into: tuple[str, ...]) -> dict[str, Any]:
     r = redis.Redis.from_url(url, **overhead.client_kw())
-    ids = list(range(3, 3 + overhead.PROMPT))
     real = kvgate.Gate(r, gate="lua-profile-real", config=overhead.config())
     real.write_snapshot(overhead.engine(overhead.ROOMY_TOKENS))
     prof = kvgate.Gate(r, gate="lua-profile", config=overhead.config())
@@ -155,11 +154,9 @@ def profile(url: str, turns: int, into: tuple[str, ...]) -> dict[str, Any]:
     prof._caller.library, prof._caller.functions = lib, names  # the instrumented library
 
     def turns_on(g: kvgate.Gate, n: int) -> None:
+        turn = overhead.turn_on(g)
         for i in range(n):
-            lease = g.acquire(f"s{i % overhead.SESSIONS}", prompt_ids=ids, max_new_tokens=overhead.NEW_TOKENS)
-            if not lease.admitted:
-                raise RuntimeError(f"an uncontended turn was not admitted: {lease!r}")
-            lease.release()
+            turn(i)
 
     # warm-up: both libraries loaded, the sessions' windows open, and the profile's sums
     # started afresh after it

@@ -193,17 +193,20 @@ def client_kw() -> dict:
 
 
 # -- one sync client ------------------------------------------------------------------------
-def sync_subjects(r: redis.Redis, gate: kvgate.Gate, eval_gate: kvgate.Gate) -> dict[str, Callable[[int], Any]]:
+def turn_on(g: kvgate.Gate) -> Callable[[int], None]:
+    """The measured turn on gate ``g``: turn ``i`` is session ``i % SESSIONS``'s acquire and
+    release (benchmarks/lua_profile.py profiles the same turn)."""
     ids = list(range(3, 3 + PROMPT))
 
-    def turn_on(g: kvgate.Gate) -> Callable[[int], None]:
-        def turn(i: int) -> None:
-            lease = g.acquire(f"s{i % SESSIONS}", prompt_ids=ids, max_new_tokens=NEW_TOKENS)
-            if not lease.admitted:
-                raise RuntimeError(f"an uncontended turn was not admitted: {lease!r}")
-            lease.release()
-        return turn
+    def turn(i: int) -> None:
+        lease = g.acquire(f"s{i % SESSIONS}", prompt_ids=ids, max_new_tokens=NEW_TOKENS)
+        if not lease.admitted:
+            raise RuntimeError(f"an uncontended turn was not admitted: {lease!r}")
+        lease.release()
+    return turn
 
+
+def sync_subjects(r: redis.Redis, gate: kvgate.Gate, eval_gate: kvgate.Gate) -> dict[str, Callable[[int], Any]]:
     def lock(i: int) -> None:
         lk = r.lock(f"bench:lock:{i % SESSIONS}", timeout=10)
         if not lk.acquire(blocking=False):
