@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from kvgate.control.budget import (BACKOFF, IDLE_FLOOR, MAX_GROWTH, MIN_PREFILL_TOKENS, MIN_RELEASES, THRASH,
-                                   BudgetController, Reading)
+from kvgate.control.budget import (BACKOFF, IDLE_FLOOR, MAX_GROWTH, MIN_PREFILL_TOKENS, MIN_RELEASES, STARTUP_FLAT,
+                                   THRASH, BudgetController, Reading)
 
 
 class Gate:
@@ -90,28 +90,42 @@ def test_idle_engines_with_turns_waiting_grow_the_scale_to_carry_the_idle_time()
     assert c.update(g.window(idle=0.9, retained=1.0)) == pytest.approx(2 / 0.75 / 0.9)  # at most double
 
 
-def test_in_startup_it_doubles_until_a_window_does_not_grow():
+def test_in_startup_it_doubles_until_three_windows_in_a_row_do_not_grow():
     c, g = BudgetController(startup=True), Gate()
     start(c, g)
     assert c.update(g.window(idle=0.05, retained=1.0)) == pytest.approx(MAX_GROWTH)
     assert c.update(g.window(idle=0.3, retained=1.0)) == pytest.approx(MAX_GROWTH ** 2)
-    assert c.startup
-    assert c.update(g.window(idle=0.0, retained=1.0)) == pytest.approx(MAX_GROWTH ** 2)  # held: startup ends
-    assert not c.startup and c.last.why == "hold"
+    for n in range(1, STARTUP_FLAT + 1):
+        assert c.update(g.window(idle=0.0, retained=1.0)) == pytest.approx(MAX_GROWTH ** 2)
+        assert c.last.why == "hold" and c.startup == (n < STARTUP_FLAT)
     assert c.update(g.window(idle=0.2, retained=1.0)) == pytest.approx(MAX_GROWTH ** 2 / 0.8)  # rule 1's step again
+
+
+def test_a_cold_starts_busy_first_windows_do_not_end_startup():
+    # the burst of first turns keeps the engines busy: no idle time, nothing grows; the first
+    # window that idles after it still doubles, and a window that grows starts the count over
+    c, g = BudgetController(startup=True), Gate()
+    start(c, g)
+    for _ in range(STARTUP_FLAT - 1):
+        assert c.update(g.window(idle=0.0, retained=1.0)) == 1.0 and c.startup
+    assert c.update(g.window(idle=0.05, retained=1.0)) == pytest.approx(MAX_GROWTH)
+    for _ in range(STARTUP_FLAT - 1):
+        assert c.update(g.window(idle=0.0, retained=1.0)) == pytest.approx(MAX_GROWTH) and c.startup
+    assert c.update(g.window(idle=0.05, retained=1.0)) == pytest.approx(MAX_GROWTH ** 2)
 
 
 def test_startup_grows_only_where_rule_1_would_and_ends_at_a_back_off():
     # re-prefill above the idle share: no growth, in startup or not
     c, g = BudgetController(startup=True), Gate(cost=0.001)
     start(c, g)
-    assert c.update(g.window(idle=0.1, waste=0.3, fresh=1_000)) == 1.0 and not c.startup
+    assert c.update(g.window(idle=0.1, waste=0.3, fresh=1_000)) == 1.0 and c.last.why == "hold"
     # the over-commit bound holds in startup too (the numbers of the bound's own test below)
     c, g = BudgetController(startup=True), Gate(cost=0.002, capacity=10_000)
     start(c, g)
-    assert c.update(g.window(idle=0.3, retained=1.0)) == pytest.approx(1.15) and c.startup
-    assert c.update(g.window(idle=0.3, retained=1.0)) == pytest.approx(1.15) and not c.startup
-    # a thrash in startup backs off as ever, and ends it
+    for _ in range(STARTUP_FLAT + 1):
+        assert c.update(g.window(idle=0.3, retained=1.0)) == pytest.approx(1.15)
+    assert not c.startup
+    # a thrash in startup backs off as ever, and ends it at once
     c, g = BudgetController(startup=True), Gate(cost=0.001)
     start(c, g)
     assert c.update(g.window(idle=0.1, retained=1.0)) == pytest.approx(MAX_GROWTH)

@@ -11,9 +11,9 @@ in engine time:
   while turns waited in the FIFO (the scripts integrate it exactly). It is work lost for
   certain: while it exceeds the waste below, the scale grows to carry the work that time
   could have done, ``scale / (1 - idle)`` (at most doubling per window; doubling outright in
-  startup, from the ledger with nothing measured, until a window does not grow); past the
-  pool, no further than the re-prefill of the over-commit costs what the idle time could have
-  done.
+  startup, from the ledger with nothing measured, until three windows in a row do not grow,
+  or one backs off); past the pool, no further than the re-prefill of the over-commit costs
+  what the idle time could have done.
 * **waste**: the share of the engines' time spent re-prefilling histories they had already
   computed: the re-prefilled tokens (their prefix-cache counters against the fresh tokens the
   gate admitted) times the cost of a prefilled token, the least their prefill time per
@@ -39,8 +39,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Reading", "Window", "BudgetController", "MIN_RELEASES", "IDLE_FLOOR", "MAX_GROWTH", "BACKOFF",
-           "THRASH", "MIN_PREFILL_TOKENS", "NOISE", "EWMA"]
+__all__ = ["Reading", "Window", "BudgetController", "MIN_RELEASES", "IDLE_FLOOR", "MAX_GROWTH", "STARTUP_FLAT",
+           "BACKOFF", "THRASH", "MIN_PREFILL_TOKENS", "NOISE", "EWMA"]
 
 #: a window needs at least this many turns released to say anything about the cache
 MIN_RELEASES = 8
@@ -48,6 +48,9 @@ MIN_RELEASES = 8
 IDLE_FLOOR = 0.02
 #: the most one window grows the scale: doubling, as TCP's slow start per round trip
 MAX_GROWTH = 2.0
+#: startup ends after this many windows in a row that did not grow (BBR's full-pipe test: three
+#: rounds without growth), or at once on a back-off
+STARTUP_FLAT = 3
 #: the multiplicative back-off when the held sessions thrash (as TCP's and BBR's 0.7)
 BACKOFF = 0.7
 #: the share of the engines' time re-prefilling at which the held sessions thrash: more of it
@@ -100,8 +103,13 @@ class BudgetController:
         # never below the ledger (a scale an older poller published below it starts there)
         self.scale = max(1.0, scale) if math.isfinite(scale) else 1.0
         # starting from the ledger with nothing measured, growth takes rule 1's largest step
-        # (doubling) until the first window that does not grow (TCP's slow start, BBR's startup)
+        # (doubling) until STARTUP_FLAT windows in a row do not grow, or one backs off (TCP's
+        # slow start, BBR's startup and its full-pipe test). Not the first window that does not
+        # grow: a cold start admits a burst of first turns that keeps the engines busy through
+        # the first window whatever the budget, so that window's missing idle time says nothing
+        # about the room the engines have (flat: the windows in a row that did not grow)
         self.startup = startup
+        self.flat = 0
         self._start: Reading | None = None
         # the retained share at scale 1 (None: not measured yet, counted as 1: keep everything)
         self.ledger_retained: float | None = None
@@ -131,7 +139,8 @@ class BudgetController:
         self._start = r
         self.last = self._close(s, r)
         self.scale = self.last.scale_after
-        if self.last.why != "grow":
+        self.flat = 0 if self.last.why == "grow" else self.flat + 1
+        if self.flat >= STARTUP_FLAT or self.last.why == "backoff":
             self.startup = False
         return self.scale
 
