@@ -29,6 +29,9 @@ body runs: an EVALSHA of ``return 1`` with the same KEYS and ARGV; one that defi
 helpers (``lua/includes``) every EVAL script starts with and runs an empty body as every call
 runs its body (``run``: the call's keys, clock and parameters set up); and an FCALL of that
 empty body in a library of those helpers: the EVAL form's and the function form's fixed cost.
+Beside them, a turn's floor: the least work a session's turn through its window can do in any
+layout of the gate's keys (``FLOOR_LIBRARY``: one record per session, 15 commands in two calls),
+so the breakdown says how far below today's turn any redesign could go.
 
 Last, the same gate with 10, 1,000 and 10,000 waiters queued (an asyncio crowd in a child
 process, stopped by pid): one lease fills the gate's ceiling, the waiters wait in its FIFO,
@@ -388,6 +391,7 @@ def script_breakdown(url: str, turns: int) -> dict:
         r.fcall("kvgate_overhead_empty", len(gate._keys), *gate._keys, *argv)
     out["function_empty"] = {"server_us": command_stats(r)["fcall"]["usec"] / turns}
     r.function_delete("kvgate_overhead_probe")
+    out["floor"] = floor_turn(r, gate, argv, turns)
     # what one step of a script's work costs inside it: UNIT_REPEAT of it in one call, less
     # the empty call, per step (the record is the session's window as the turns above left it)
     record = r.hvals(gate.key("windows"))[0].decode()
@@ -401,6 +405,74 @@ def script_breakdown(url: str, turns: int) -> dict:
 
 #: how many times a unit step runs in the call that measures it
 UNIT_REPEAT = 20
+
+#: The least work a turn of a session re-entering its own window can do in any layout of the
+#: gate's keys, as a function library of two calls (one record per session, holding its
+#: window and its lease; nobody waiting). Every line is a step the rules need: the one clock
+#: (SPEC 8), the turn's parameters, the session's record, the snapshot's freshness and ceiling
+#: (rule 3), whether anyone waits (rule 6's order, and the time integrals the budget reads),
+#: the lease's TTL deadline (a dead holder's lease is reclaimed), the ledger following the
+#: window's charge, one counter, the reply. Left out, so the figure is a lower bound: the
+#: epoch, the gate's progress for aging, the re-prefill and tool-gap signals, the reaps'
+#: deadline check, the trim's and the advance's checks.
+FLOOR_LIBRARY = """#!lua name=kvgate_overhead_floor
+local function now_ms()
+  local t = redis.call("TIME")
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+redis.register_function('kvgate_floor_acquire', function(keys, argv)
+  local now = now_ms()
+  local p = cjson.decode(argv[2])
+  local raw = redis.call("HGET", keys[1], p.session)
+  local rec = raw and cjson.decode(raw) or { t = 0, h = 0 }
+  local snap = redis.call("HMGET", keys[2], "ts_ms", "n_healthy", "capacity", "budget_scale", "budget_ts_ms", "usage")
+  local waiting = redis.call("ZCARD", keys[3])
+  local grew = p.need - rec.t
+  rec.t, rec.h, rec.k, rec.a = p.need, 1, p.ticket, now
+  redis.call("HSET", keys[1], p.session, cjson.encode(rec))
+  redis.call("ZADD", keys[4], now + 600000, p.session)
+  redis.call("HINCRBY", keys[5], "reserved", grew)
+  redis.call("HINCRBY", keys[6], "admit", 1)
+  return cjson.encode({ o = "admit", r = "reserved_session", w = 0, t = p.need, n = waiting, c = snap[3] })
+end)
+redis.register_function('kvgate_floor_release', function(keys, argv)
+  local now = now_ms()
+  local p = cjson.decode(argv[2])
+  local rec = cjson.decode(redis.call("HGET", keys[1], p.session))
+  rec.h, rec.k, rec.x = 0, nil, now + 60000
+  redis.call("HSET", keys[1], p.session, cjson.encode(rec))
+  redis.call("ZREM", keys[4], p.session)
+  redis.call("ZADD", keys[7], rec.x, p.session)
+  local waiting = redis.call("ZCARD", keys[3])
+  redis.call("HINCRBY", keys[6], "released", 1)
+  return cjson.encode({ released = 1, granted = 0, n = waiting })
+end)
+"""
+
+
+def floor_turn(r: redis.Redis, gate: kvgate.Gate, acquire_argv: list, turns: int) -> dict:
+    """FLOOR_LIBRARY's turn (an acquire and a release call) on keys of its own under the gate's
+    hash tag, cycling over SESSIONS sessions as the turns above do: its server microseconds per
+    turn and the commands it runs."""
+    names = ("sessions", "snapshot", "fifo", "lease_exp", "ledger", "totals", "window_exp")
+    ks = [gate.key(f"floor_{n}") for n in names]
+    # the snapshot the gate's own turns read, so the floor reads as many fields of as large a hash
+    r.copy(gate.key("snapshot"), ks[1], replace=True)
+    r.function_load(FLOOR_LIBRARY, replace=True)
+    argv = [[acquire_argv[0], json.dumps({"ticket": f"t{i}", "session": f"s{i % SESSIONS}", "need": PROMPT + NEW_TOKENS})]
+            for i in range(SESSIONS + turns)]
+    try:
+        for i, a in enumerate(argv):
+            if i == SESSIONS:  # the sessions' first turns create their records: not measured
+                r.config_resetstat()
+            r.fcall("kvgate_floor_acquire", len(ks), *ks, *a)
+            r.fcall("kvgate_floor_release", len(ks), *ks, *a)
+        st = command_stats(r)
+    finally:
+        r.function_delete("kvgate_overhead_floor")
+        r.delete(*ks)
+    return {"server_us": st["fcall"]["usec"] / turns,
+            "inner_commands": sum(v["calls"] for k, v in st.items() if k not in SCRIPT_CALLS) / turns}
 
 
 def unit_steps(record: str) -> dict[str, str]:
@@ -727,6 +799,8 @@ def report(res: dict) -> str:
                  "the same, defining lua/includes, then an empty body through run: the EVAL form's fixed cost"])
     rows.append(["(empty function)", f(b["function_empty"]["server_us"]), "0", "0",
                  "an FCALL of an empty body through run: the function form's fixed cost"])
+    rows.append(["(a turn's floor)", f(b["floor"]["server_us"]), f(b["floor"]["inner_commands"], 1), "",
+                 "per turn, both calls: the least a window's turn does in any layout (FLOOR_LIBRARY)"])
     parts += ["", f"a sync turn, script by script ({b['turns']} turns: {b['reasons']})", table(rows)]
     rows = [["one step inside a script", "server us"]] + [[k, f(v)] for k, v in b["units_us"].items()]
     parts += ["", "what a script's steps cost (each run alone, less an empty call)", table(rows)]

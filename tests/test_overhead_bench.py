@@ -65,6 +65,11 @@ def test_quick_run_reports_every_figure_with_sane_counts(tmp_path):
         assert b[name]["inner_commands"] > 0 and b[name]["by_command"]
     assert {"return_1", "helpers_only", "function_empty"} <= set(b)
     assert all(b[k]["server_us"] > 0 for k in ("return_1", "helpers_only", "function_empty"))
+    # the floor's turn: the acquire's 8 commands and the release's 7 (FLOOR_LIBRARY), fewer
+    # than the gate's own turn runs
+    assert b["floor"]["server_us"] > 0 and integer_ish(b["floor"]["inner_commands"])
+    assert round(b["floor"]["inner_commands"]) == 15
+    assert b["floor"]["inner_commands"] < b["acquire"]["inner_commands"] + b["release"]["inner_commands"]
     assert set(b["units_us"]) == {"read command (HGET)", "write command (HSET)", "record decode", "record decode + encode",
                                   "parameters decode (ARGV[2])", "knobs decode (ARGV[3])", "TIME", "INFO server"}
     assert all(v >= 0 for v in b["units_us"].values())
