@@ -459,7 +459,8 @@ def floor_turn(r: redis.Redis, gate: kvgate.Gate, acquire_argv: list, turns: int
     # the snapshot the gate's own turns read, so the floor reads as many fields of as large a hash
     r.copy(gate.key("snapshot"), ks[1], replace=True)
     r.function_load(FLOOR_LIBRARY, replace=True)
-    argv = [[acquire_argv[0], json.dumps({"ticket": f"t{i}", "session": f"s{i % SESSIONS}", "need": PROMPT + NEW_TOKENS})]
+    argv = [[acquire_argv[0],
+             json.dumps({"ticket": f"t{i}", "session": f"s{i % SESSIONS}", "need": PROMPT + NEW_TOKENS})]
             for i in range(SESSIONS + turns)]
     try:
         for i, a in enumerate(argv):
