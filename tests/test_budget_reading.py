@@ -86,21 +86,3 @@ def test_a_gate_with_no_published_scale_starts_in_startup(client):
     client.hset(keys.key("bs", "ledger"), mapping={"acc_ts": 11_000, "acc_wait_ms": 5_000, "acc_idle_ms": 1_000,
                                                     "n_released": 8})
     assert asyncio.run(r.measure([scrape(100, 100)])) == pytest.approx(2.0)
-
-
-def test_the_spare_time_the_scripts_integrate_bounds_the_over_commit(client):
-    """acc_spare_ms reaches the controller: the over-commit may re-prefill no more than the
-    window's spare time (docs/budget.md, rule 1). One engine of 10,000 tokens whose prefill
-    costs 2 ms a token: 3 s idle with turns waiting, 5 s with nothing of the gate's in flight."""
-    name = "bp"
-    r = BudgetReader(client, name, kvgate.GateConfig(), CallThreads(bound_s=2.0))
-    client.hset(keys.key(name, "snapshot"), "budget_scale", "1.0")  # a measured scale: no startup
-    start = {"epoch": 1, "acc_ts": 1000, "acc_wait_ms": 0, "acc_idle_ms": 0, "acc_spare_ms": 0, "n_released": 0,
-             "tok_fresh": 0, "tok_reusable": 0}
-    client.hset(keys.key(name, "ledger"), mapping=start)
-    assert asyncio.run(r.measure([scrape(0, 0, prefill_s=0.0)])) == 1.0
-    client.hset(keys.key(name, "ledger"), mapping={"acc_ts": 11_000, "acc_wait_ms": 10_000, "acc_idle_ms": 3_000,
-                                                    "acc_spare_ms": 5_000, "n_released": 8, "tok_fresh": 1_000})
-    # 1,000 tokens prefilled, all of them fresh: 2 ms a token, no re-prefill; 1 + 5 s / (2 ms x 10,000)
-    assert asyncio.run(r.measure([scrape(1_000, 0, prefill_s=2.0)])) == pytest.approx(1.25)
-    assert r.controller.last.why == "grow"

@@ -9,12 +9,11 @@ in engine time:
 
 * **idle**: the share of the window's time the engines had no turn of the gate in flight
   while turns waited in the FIFO (the scripts integrate it exactly). It is work lost for
-  certain: unless the window thrashed (below), the scale grows to carry the work that time
+  certain: while it exceeds the waste below, the scale grows to carry the work that time
   could have done, ``scale / (1 - idle)`` (at most doubling per window; doubling outright in
   startup, from the ledger with nothing measured, until three windows in a row do not grow,
   or one backs off); past the pool, no further than the re-prefill of the over-commit costs
-  what the engines' spare time of the window could have done: all the time they had no turn
-  of the gate in flight, turns waiting or not (re-prefill run there displaces no other work).
+  what the idle time could have done.
 * **waste**: the share of the engines' time spent re-prefilling histories they had already
   computed: the re-prefilled tokens (their prefix-cache counters against the fresh tokens the
   gate admitted) times the cost of a prefilled token, the least their prefill time per
@@ -74,7 +73,6 @@ class Reading:
     now_ms: float           # the scripts' clock at the reading (acc_ts: the last script call)
     wait_ms: float          # time turns waited in the FIFO (acc_wait_ms)
     idle_ms: float          # of that, time with no turn of the gate in flight (acc_idle_ms)
-    spare_ms: float         # time with no turn of the gate in flight, turns waiting or not (acc_spare_ms)
     released: int           # leases ended (n_released)
     tok_fresh: int          # admitted prompt tokens new to the engines
     tok_reusable: int       # admitted prompt tokens a session's window held from its last turn
@@ -167,12 +165,10 @@ class BudgetController:
             # ledger served
             ledger = self.ledger_retained if self.ledger_retained is not None else 1.0
             lost_work = retained is not None and before > 1.0 and before * retained < (1.0 - NOISE) * ledger
-        if idle is not None and idle >= IDLE_FLOOR and (idle > known_waste or not lost_work):
-            # the engines idled with turns waiting and did not thrash: used, that idle time
-            # would carry 1 / (1 - idle) times the work (at most double it). The re-prefill the
-            # held sessions already cost is not the price of growing: what growing adds is the
-            # over-commit's, which the bound prices against the engines' spare time
-            over = self._overcommit_bound((r.spare_ms - s.spare_ms) / 1000.0, r)
+        if idle is not None and idle >= IDLE_FLOOR and idle > known_waste:
+            # the engines lost more time idling with turns waiting than re-prefilling: used,
+            # that idle time would carry 1 / (1 - idle) times the work (at most double it)
+            over = self._overcommit_bound(idle * span / 1000.0, r)
             bound = min(self.limit, over)
             if before < bound:
                 gain = MAX_GROWTH if self.startup else 1.0 / max(1.0 / MAX_GROWTH, 1.0 - idle)
@@ -205,15 +201,14 @@ class BudgetController:
             return window(after, "backoff")
         return window(before, "hold")
 
-    def _overcommit_bound(self, spare_s: float, r: Reading) -> float:
+    def _overcommit_bound(self, idle_s: float, r: Reading) -> float:
         """The most the scale may over-commit the pool: tokens past the pool are the history the
         engines' LRU evicts, re-prefilled once a turnover at least (more where it evicts what
-        comes back next), so the over-commit may cost no more re-prefill than the window's spare
-        time (no turn of the gate in flight) could have done. Unbounded while the token cost or
-        the pool is unknown."""
+        comes back next), so the over-commit may cost no more re-prefill than the window's idle
+        time could have done. Unbounded while the token cost or the pool is unknown."""
         if self.token_cost is None or not r.capacity_tokens:
             return math.inf
-        return 1.0 + spare_s * max(1, r.engines) / (self.token_cost * r.capacity_tokens)
+        return 1.0 + idle_s * max(1, r.engines) / (self.token_cost * r.capacity_tokens)
 
     def _waste(self, s: Reading, r: Reading, span_ms: float) -> float | None:
         """The share of the engines' time spent re-prefilling (None without prefill time)."""
@@ -231,7 +226,7 @@ class BudgetController:
 
 def _went_back(s: Reading, r: Reading) -> bool:
     """A counter that decreased: Redis or an engine restarted; the window starts over."""
-    if r.wait_ms < s.wait_ms or r.idle_ms < s.idle_ms or r.spare_ms < s.spare_ms or r.released < s.released:
+    if r.wait_ms < s.wait_ms or r.idle_ms < s.idle_ms or r.released < s.released:
         return True
     if r.tok_fresh < s.tok_fresh or r.tok_reusable < s.tok_reusable:
         return True

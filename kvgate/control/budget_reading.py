@@ -81,13 +81,13 @@ class BudgetReader:
         """The gate's counters the budget controller reads, in one round trip (call thread)."""
         k = lambda n: keys.key(self.gate_name, n)  # noqa: E731
         p = self.redis.pipeline(transaction=False)
-        p.hmget(k("ledger"), "acc_ts", "acc_wait_ms", "acc_idle_ms", "acc_spare_ms", "n_released",
-                "tok_fresh", "tok_reusable", "epoch")
+        p.hmget(k("ledger"), "acc_ts", "acc_wait_ms", "acc_idle_ms", "n_released", "tok_fresh",
+                "tok_reusable", "epoch")
         p.zcard(k("lease_exp"))
         p.hlen(k("windows"))
         p.hget(k("snapshot"), "budget_scale")
-        (acc_ts, wait, idle, spare, released, fresh, reusable, epoch), leases, windows, published = p.execute()
-        return {"acc_ts": acc_ts, "wait": wait, "idle": idle, "spare": spare, "released": released, "fresh": fresh,
+        (acc_ts, wait, idle, released, fresh, reusable, epoch), leases, windows, published = p.execute()
+        return {"acc_ts": acc_ts, "wait": wait, "idle": idle, "released": released, "fresh": fresh,
                 "reusable": reusable, "epoch": epoch, "held": leases + windows, "published": published}
 
     async def measure(self, scrapes: Sequence[ScrapeResult]) -> float | None:
@@ -119,7 +119,6 @@ class BudgetReader:
         if eng is None:
             return self.controller.scale  # a scrape failed this tick: its counters are not comparable
         reading = Reading(now_ms=num(raw["acc_ts"]), wait_ms=num(raw["wait"]), idle_ms=num(raw["idle"]),
-                          spare_ms=num(raw["spare"]),
                           released=int(num(raw["released"])), tok_fresh=int(num(raw["fresh"])),
                           tok_reusable=int(num(raw["reusable"])), held=int(raw["held"]),
                           engine_queries=eng["queries"], engine_hits=eng["hits"],

@@ -282,19 +282,16 @@ local function progress()
 end
 
 -- integrate the state that held since the last script call (only scripts change it) into the
--- time counters the budget controller reads: how long no turn of this gate was in flight (the
--- engines had nothing of ours to do: their spare time), how long turns waited in the FIFO, and
--- how much of that waiting was spare time too (idle: time lost for certain).
+-- time counters the budget controller reads: how long turns waited in the FIFO, and how much
+-- of that time no turn of this gate was in flight (the engines had nothing of ours to do).
 -- Called on entry by every script that changes leases or the FIFO.
 local function account()
   local last = tonumber(lget("acc_ts"))
   if last ~= nil and NOW <= last then return end
-  if last ~= nil then
-    local spare = redis.call("ZCARD", K.lease_exp) == 0
-    if spare then lincr("acc_spare_ms", NOW - last) end
-    if redis.call("ZCARD", K.fifo) > 0 then
-      lincr("acc_wait_ms", NOW - last)
-      if spare then lincr("acc_idle_ms", NOW - last) end
+  if last ~= nil and redis.call("ZCARD", K.fifo) > 0 then
+    lincr("acc_wait_ms", NOW - last)
+    if redis.call("ZCARD", K.lease_exp) == 0 then
+      lincr("acc_idle_ms", NOW - last)
     end
   end
   lset("acc_ts", I(NOW))
