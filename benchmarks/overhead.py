@@ -391,7 +391,7 @@ def script_breakdown(url: str, turns: int) -> dict:
         r.fcall("kvgate_overhead_empty", len(gate._keys), *gate._keys, *argv)
     out["function_empty"] = {"server_us": command_stats(r)["fcall"]["usec"] / turns}
     r.function_delete("kvgate_overhead_probe")
-    out["floor"] = floor_turn(r, gate, argv, turns)
+    out["floor"] = floor_turn(r, gate, turns)
     # what one step of a script's work costs inside it: UNIT_REPEAT of it in one call, less
     # the empty call, per step (the record is the session's window as the turns above left it)
     record = r.hvals(gate.key("windows"))[0].decode()
@@ -450,7 +450,7 @@ end)
 """
 
 
-def floor_turn(r: redis.Redis, gate: kvgate.Gate, acquire_argv: list, turns: int) -> dict:
+def floor_turn(r: redis.Redis, gate: kvgate.Gate, turns: int) -> dict:
     """FLOOR_LIBRARY's turn (an acquire and a release call) on keys of its own under the gate's
     hash tag, cycling over SESSIONS sessions as the turns above do: its server microseconds per
     turn and the commands it runs."""
@@ -459,8 +459,9 @@ def floor_turn(r: redis.Redis, gate: kvgate.Gate, acquire_argv: list, turns: int
     # the snapshot the gate's own turns read, so the floor reads as many fields of as large a hash
     r.copy(gate.key("snapshot"), ks[1], replace=True)
     r.function_load(FLOOR_LIBRARY, replace=True)
-    argv = [[acquire_argv[0],
-             json.dumps({"ticket": f"t{i}", "session": f"s{i % SESSIONS}", "need": PROMPT + NEW_TOKENS})]
+    # ARGV as a kvgate call's: the clock ("" for the server's; the floor always reads TIME), then
+    # the turn's parameters
+    argv = [["", json.dumps({"ticket": f"t{i}", "session": f"s{i % SESSIONS}", "need": PROMPT + NEW_TOKENS})]
             for i in range(SESSIONS + turns)]
     try:
         for i, a in enumerate(argv):
@@ -472,8 +473,8 @@ def floor_turn(r: redis.Redis, gate: kvgate.Gate, acquire_argv: list, turns: int
     finally:
         r.function_delete("kvgate_overhead_floor")
         r.delete(*ks)
-    return {"server_us": st["fcall"]["usec"] / turns,
-            "inner_commands": sum(v["calls"] for k, v in st.items() if k not in SCRIPT_CALLS) / turns}
+    m = per_op(st, {"fcall"}, turns)
+    return {"server_us": m["server_us"], "inner_commands": m["inner_commands"]}
 
 
 def unit_steps(record: str) -> dict[str, str]:
