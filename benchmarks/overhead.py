@@ -75,6 +75,7 @@ if (_ROOT / "kvgate" / "__init__.py").is_file():
 import redis  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 from redis.backoff import NoBackoff  # noqa: E402
+from redis.asyncio.retry import Retry as AsyncRetry  # noqa: E402
 from redis.retry import Retry  # noqa: E402
 
 import kvgate  # noqa: E402
@@ -190,9 +191,10 @@ def engine(capacity: int) -> list[kvgate.EngineState]:
                                kind="sglang")]
 
 
-def client_kw() -> dict:
-    # what Gate.from_url builds: a bounded call, no retries (the gate's own breaker decides)
-    return dict(socket_timeout=5.0, socket_connect_timeout=5.0, retry=Retry(NoBackoff(), 0))
+def client_kw(retry: type = Retry) -> dict:
+    # what Gate.from_url builds: a bounded call, no retries (the gate's own breaker decides);
+    # an asyncio client takes redis.asyncio's Retry (redis-py warns and converts a sync one)
+    return dict(socket_timeout=5.0, socket_connect_timeout=5.0, retry=retry(NoBackoff(), 0))
 
 
 # -- one sync client ------------------------------------------------------------------------
@@ -263,7 +265,8 @@ def run_sync(url: str, rounds: int, ops: int) -> dict:
 def async_client(url: str, connections: int) -> aioredis.Redis:
     """An asyncio client whose callers beyond ``connections`` wait for a connection (redis-py's
     default pool refuses them with MaxConnectionsError, which the gate takes for a fault)."""
-    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=connections, timeout=30, **client_kw())
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=connections, timeout=30,
+                                                    **client_kw(AsyncRetry))
     return aioredis.Redis(connection_pool=pool)
 
 
