@@ -174,21 +174,23 @@ end
 -- does this turn open (or keep) an ownership window if it is admitted?
 local opens = opens_window(P.retain, snap.usage)
 
-local function admitted(reason, win_mode)
+-- (win: the session's window when this call has read it already, rule 5's)
+local function admitted(reason, win_mode, win)
   local enq = nil
   if w then
     enq = w.e
     drop_waiter(ticket, w)
   end
-  local g = grant(ticket, session, need, prompt, prev, reason, enq, win_mode, false, pre)
+  local g = grant(ticket, session, need, prompt, prev, reason, enq, win_mode, false, pre, win)
   trim(snap, P.reap_batch)
   advance(P.reap_batch, snap)
   return out("admit", reason, { w = g.a - g.e, t = g.t })
 end
 
 -- rule 5: the session owns a live ownership window
-if P.residency == 1 and live_window(session) then
-  return admitted("reserved_session", "join")
+if P.residency == 1 then
+  local win = live_window(session)
+  if win then return admitted("reserved_session", "join", win) end
 end
 
 -- rule 6: nobody older waits and the turn fits every band of the features that are on

@@ -30,9 +30,13 @@
 --@include waiters
 account()
 
-local w = jget(K.waiters, P.ticket)
-if w then drop_waiter(P.ticket, w) end
 local l = free_lease(P.ticket)
+-- a ticket holds a lease or a waiter record, never both (every script that grants one drops
+-- the other in the same call), so only a release that found no lease looks for the record
+if not l then
+  local w = jget(K.waiters, P.ticket)
+  if w then drop_waiter(P.ticket, w) end
+end
 if l and OPT.latency_ms ~= nil and OPT.turn_index ~= nil then
   local b = math.min(math.floor(num(OPT.turn_index, 0)), 63)
   -- whole microseconds: HINCRBY (HINCRBYFLOAT costs Redis several times more, every turn)

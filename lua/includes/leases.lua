@@ -48,10 +48,12 @@ end
 -- window:
 --   "join"  the session owns a window: hold it (first holder re-sizes its charge)
 --   "open"  open (or keep) the window for this session (admitted under pressure)
-local function grant(ticket, session, need, prompt, prev, reason, enq_ms, win_mode, claim, pre)
+-- `known` is the session's window when the caller has just read it (rule 5's live window),
+-- so that a turn reads its window once; nil: read here
+local function grant(ticket, session, need, prompt, prev, reason, enq_ms, win_mode, claim, pre, known)
   local l = { s = session, t = 0, w = 0, a = NOW, e = enq_ms or NOW, r = reason, ep = epoch(), c = 0 }
-  local win = nil
-  if win_mode ~= nil then win = jget(K.windows, session) end
+  local win = known
+  if win == nil and win_mode ~= nil then win = jget(K.windows, session) end
   -- what the engines should still hold of this prompt (the budget controller's re-prefill
   -- estimate, docs/budget.md#the-signals): the session's last prompt, when this one extends it
   -- and the gate has kept it charged since (its window; a gate without windows keeps nothing,
