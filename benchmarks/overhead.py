@@ -33,6 +33,10 @@ Beside them, a turn's floor: the least work a session's turn through its window 
 layout of the gate's keys (``FLOOR_LIBRARY``: one record per session, 15 commands in two calls),
 so the breakdown says how far below today's turn any redesign could go.
 
+A client-side pass splits a sync turn's time in the client: the part inside the gate's
+redis-py calls (the wire, redis-py and the server) and the rest, kvgate's own Python, beside
+two FCALLs of a function that returns at once with a turn's KEYS and ARGV.
+
 Last, the same gate with 10, 1,000 and 10,000 waiters queued (an asyncio crowd in a child
 process, stopped by pid): one lease fills the gate's ceiling, the waiters wait in its FIFO,
 and each admitted waiter releases at once and queues again, so the FIFO stays as long while
@@ -404,6 +408,58 @@ def script_breakdown(url: str, turns: int) -> dict:
     gate.close()
     r.close()
     return out
+
+
+def client_split(url: str, rounds: int, ops: int) -> dict:
+    """Where a sync turn's time goes on the client's side: the whole turn, the part inside the
+    gate's redis-py calls (the wire, redis-py and the server), and what is left, kvgate's own
+    Python (its flows and drivers); beside two FCALLs of a function that returns at once, with a
+    turn's KEYS and ARGV (the wire's and redis-py's floor for two script calls). Blocks of each
+    alternate; medians over the rounds."""
+    r = redis.Redis.from_url(url, **client_kw())
+    gate = kvgate.Gate(r, gate="overhead-client", config=config())
+    gate.write_snapshot(engine(ROOMY_TOKENS))
+    turn = turn_on(gate)
+    in_calls = [0.0]
+    send = gate._send_commands
+
+    def timed_send(op: Any, *a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return send(op, *a, **kw)
+        finally:
+            in_calls[0] += time.perf_counter() - t
+
+    gate._send_commands = timed_send  # type: ignore[method-assign]
+    argv = list(gate._flows.eval_op("acquire", dict(ticket="t", session="s", need=PROMPT + NEW_TOKENS,
+                                                    prompt=PROMPT, protected=0, retain=1, probe=-2)).argv)
+    r.function_load("#!lua name=kvgate_overhead_client\nredis.register_function("
+                    "'kvgate_overhead_return', function(keys, argv) return '{}' end)\n", replace=True)
+
+    def pair(i: int) -> None:
+        for _ in range(2):
+            r.fcall("kvgate_overhead_return", len(gate._keys), *gate._keys, *argv)
+
+    for i in range(2 * SESSIONS):  # warm-up: the sessions' windows open
+        turn(i)
+    rows: dict[str, list[float]] = {"turn_us": [], "in_redis_py_us": [], "kvgate_python_us": [], "bare_pair_us": []}
+    for _ in range(rounds):
+        in_calls[0] = 0.0
+        t0 = time.perf_counter()
+        for i in range(ops):
+            turn(i)
+        whole = (time.perf_counter() - t0) / ops * 1e6
+        t0 = time.perf_counter()
+        for i in range(ops):
+            pair(i)
+        rows["bare_pair_us"].append((time.perf_counter() - t0) / ops * 1e6)
+        rows["turn_us"].append(whole)
+        rows["in_redis_py_us"].append(in_calls[0] / ops * 1e6)
+        rows["kvgate_python_us"].append(whole - in_calls[0] / ops * 1e6)
+    r.function_delete("kvgate_overhead_client")
+    gate.close()
+    r.close()
+    return {k: statistics.median(v) for k, v in rows.items()}
 
 
 #: how many times a unit step runs in the call that measures it
@@ -809,6 +865,13 @@ def report(res: dict) -> str:
     parts += ["", f"a sync turn, script by script ({b['turns']} turns: {b['reasons']})", table(rows)]
     rows = [["one step inside a script", "server us"]] + [[k, f(v)] for k, v in b["units_us"].items()]
     parts += ["", "what a script's steps cost (each run alone, less an empty call)", table(rows)]
+    c = res["client"]
+    rows = [["a sync turn, client side", "us per turn"],
+            ["the whole turn", f(c["turn_us"])],
+            ["inside the gate's redis-py calls (wire, redis-py, server)", f(c["in_redis_py_us"])],
+            ["kvgate's own Python (the rest)", f(c["kvgate_python_us"])],
+            ["two FCALLs that return at once, a turn's KEYS and ARGV", f(c["bare_pair_us"])]]
+    parts += ["", "where a sync turn's time goes (medians of alternating blocks)", table(rows)]
     rows = [["waiters", "wake p50 ms", "wake p99 ms", "handoffs/s", "server us/handoff", "scripts/handoff",
              "inner cmds/handoff", "not admitted", "re-check us", "script us/call"]]
     for w, m in res["waiters"].items():
@@ -848,6 +911,7 @@ def main(argv: list[str] | None = None) -> int:
                "async": phase("one asyncio loop",
                               lambda: asyncio.run(async_blocks(url, prof["rounds"], prof["async_ops"]))),
                "breakdown": phase("script by script", lambda: script_breakdown(url, prof["breakdown_turns"])),
+               "client": phase("client side", lambda: client_split(url, prof["rounds"], prof["sync_ops"])),
                "waiters": phase("waiters queued", lambda: run_waiters(url, prof["waiters"], prof["handoff_s"]))}
     res["elapsed_s"] = time.monotonic() - t0
     print(json.dumps(res, indent=1) if a.json else report(res))

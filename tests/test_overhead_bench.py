@@ -74,6 +74,11 @@ def test_quick_run_reports_every_figure_with_sane_counts(tmp_path):
                                   "parameters decode (ARGV[2])", "knobs decode (ARGV[3])", "TIME", "INFO server"}
     assert all(v >= 0 for v in b["units_us"].values())
 
+    # a sync turn split on the client's side: its calls into redis-py, and kvgate's own Python
+    c = out["client"]
+    assert set(c) == {"turn_us", "in_redis_py_us", "kvgate_python_us", "bare_pair_us"}
+    assert 0 < c["in_redis_py_us"] < c["turn_us"] and c["kvgate_python_us"] > 0 and c["bare_pair_us"] > 0
+
     assert set(out["waiters"]) == {"10", "100"}
     for w, m in out["waiters"].items():
         assert m["handoffs"] > 0 and not m["missed"], m
