@@ -48,6 +48,11 @@ call (from SLOWLOG, which records every call during that phase). The crowd re-ch
 show in a hand-off's figures; what one re-check costs the server is measured apart, on
 waiters spread along the FIFO: the queue's own load is that times waiters / ``wait_poll_s``.
 
+The same hand-offs are then made by this process alone, one call after another, on a queue it
+builds itself (``quiet_handoffs``): with no crowd sharing the machine's cores, the server's
+figures per hand-off show its work against the queue's length, where the crowd's own CPU
+would otherwise inflate the server's time per call on a small machine.
+
 ``--quick`` is a smoke run (fewer operations and rounds, 10 and 100 waiters); ``--json``
 prints the figures as JSON instead of tables.
 
@@ -66,7 +71,7 @@ import multiprocessing
 import statistics
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -112,6 +117,8 @@ CROWD_START_S = 300.0
 CROWD_RESULT_S = 120.0
 #: re-checks timed per waiters level (spread along the FIFO)
 RECHECKS = 50
+#: hand-offs of the quiet pass per waiters level (quiet_handoffs)
+QUIET_HANDOFFS = 300
 #: the crowd queues this many waiters at a time
 CROWD_BATCH = 500
 #: a crowd process's connections (more callers wait for one); on a cluster, where redis-py
@@ -816,9 +823,48 @@ def run_crowds(r: Any, url: str, crowds: dict[str, tuple[int, int]], handoff_s: 
     return out
 
 
+def quiet_handoffs(r: redis.Redis, name: str, w: int, handoffs: int) -> dict:
+    """The crowd's hand-off with nothing else running: this client queues ``w`` waiters on
+    gate ``name`` (one lease fills it) and makes every call of each hand-off itself, one after
+    another (the release that grants the head, the head's claim, the releaser queueing again),
+    so the server's figures per hand-off show its work against the queue's length without a
+    crowd's processes sharing the machine's cores."""
+    gate = kvgate.Gate(r, gate=name, config=crowd_config())
+    gate.write_snapshot(engine(int((PROMPT + NEW_TOKENS) * 1.5 / 0.9)))
+
+    def acquire(ticket: str, session: str, want: str) -> None:
+        params = dict(ticket=ticket, session=session, need=PROMPT + NEW_TOKENS, prompt=PROMPT, protected=0,
+                      retain=0, probe=-2)
+        out = gate._eval(gate._flows.eval_op("acquire", params))
+        if out["o"] != want:
+            raise RuntimeError(f"a quiet hand-off's acquire answered {out}, not {want!r}")
+
+    holder, ticket = "holder", {"holder": "h"}  # session -> its current attempt's ticket
+    acquire("h", holder, "admit")
+    queue: deque[str] = deque()
+    for i in range(w):
+        queue.append(f"q{i}")
+        ticket[f"q{i}"] = f"q{i}.0"
+        acquire(ticket[f"q{i}"], f"q{i}", "wait")
+    r.config_resetstat()
+    for n in range(handoffs):
+        gate._eval(gate._flows.eval_op("release", dict(ticket=ticket[holder])))
+        head = queue.popleft()
+        acquire(ticket[head], head, "admit")  # its grant, claimed
+        ticket[holder] = f"{holder}.{n + 1}"
+        acquire(ticket[holder], holder, "wait")  # the releaser queues again
+        queue.append(holder)
+        holder = head
+    m = per_op(command_stats(r), SCRIPT_CALLS, handoffs)
+    gate.close()
+    return {"server_us": m["server_us"], "script_calls": m["script_calls"], "inner_commands": m["inner_commands"]}
+
+
 def run_waiters(url: str, levels: tuple[int, ...], handoff_s: float) -> dict:
     r = redis.Redis.from_url(url, **client_kw())
     out = {str(w): run_crowd(r, url, f"overhead-w{w}", w, handoff_s) for w in levels}
+    for w in levels:
+        out[str(w)]["quiet"] = quiet_handoffs(r, f"overhead-quiet-w{w}", w, QUIET_HANDOFFS)
     r.close()
     return out
 
@@ -880,6 +926,12 @@ def report(res: dict) -> str:
                      str(sum(m["missed"].values())), f(m["recheck_us"]),
                      " ".join(f"{k}={v:g}" for k, v in m["script_us_per_call"].items())])
     parts += ["", "waiters queued (one place handed from head to head)", table(rows)]
+    rows = [["waiters", "server us/handoff", "scripts/handoff", "inner cmds/handoff"]]
+    for w, m in res["waiters"].items():
+        q = m["quiet"]
+        rows.append([w, f(q["server_us"]), f(q["script_calls"], 2), f(q["inner_commands"], 1)])
+    parts += ["", f"the same hand-offs made one after another by one client, nothing else running "
+                  f"({QUIET_HANDOFFS} per level)", table(rows)]
     return "\n".join(parts)
 
 

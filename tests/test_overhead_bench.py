@@ -86,6 +86,14 @@ def test_quick_run_reports_every_figure_with_sane_counts(tmp_path):
         assert integer_ish(m["script_calls"]) and m["inner_commands"] > 0
         assert {"acquire", "release"} <= set(m["script_us_per_call"])
         assert m["wake_p50_ms"] <= m["wake_p99_ms"] and m["recheck_us"] > 0
+        # the same hand-offs made by one client alone: the same three calls
+        q = m["quiet"]
+        assert set(q) == {"server_us", "script_calls", "inner_commands"}
+        assert q["script_calls"] == 3 and q["server_us"] > 0 and q["inner_commands"] > 0
+    # no step walks the queue: a hand-off runs as many commands behind 100 waiters as behind 10
+    # (up to the few the time integrals skip when two calls fall in one millisecond)
+    quiet = [out["waiters"][w]["quiet"]["inner_commands"] for w in ("10", "100")]
+    assert abs(quiet[0] - quiet[1]) < 3, quiet
 
 
 def test_rejects_bad_arguments(tmp_path):
