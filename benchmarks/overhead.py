@@ -202,6 +202,18 @@ def engine(capacity: int) -> list[kvgate.EngineState]:
                                kind="sglang")]
 
 
+def acquire_params(ticket: str, session: str, *, need: int = PROMPT + NEW_TOKENS, prompt: int = PROMPT,
+                   retain: int = 0) -> dict:
+    """acquire.lua's parameters for a measured turn: not protected, no probe configured."""
+    return dict(ticket=ticket, session=session, need=need, prompt=prompt, protected=0, retain=retain, probe=-2)
+
+
+def acquire_argv(gate: kvgate.Gate) -> list:
+    """A turn's acquire ARGV on ``gate`` (the clock, its parameters, the gate's knobs), for the
+    calls that measure what a script call costs before its body runs."""
+    return list(gate._flows.eval_op("acquire", acquire_params("t", "s", retain=1)).argv)
+
+
 def client_kw(retry: type = Retry) -> dict:
     # what Gate.from_url builds: a bounded call, no retries (the gate's own breaker decides);
     # an asyncio client takes redis.asyncio's Retry (redis-py warns and converts a sync one)
@@ -377,8 +389,7 @@ def script_breakdown(url: str, turns: int) -> dict:
                                     for k, v in sorted(per[name].items(), key=lambda kv: -kv[1])}}
     # the fixed cost of a kvgate script call: its KEYS and ARGV, then the shared helpers
     # (an acquire's ARGV: the clock, a turn's parameters, the gate's knobs)
-    argv = list(gate._flows.eval_op("acquire", dict(ticket="t", session="s", need=PROMPT + NEW_TOKENS, prompt=PROMPT,
-                                                    protected=0, retain=1, probe=-2)).argv)
+    argv = acquire_argv(gate)
     includes = "".join(f"--@include {n}\n" for n in ("common", "snapshot", "windows", "leases", "waiters"))
     base = lua_dir()
     shared = render(includes, lambda n: (base / "includes" / f"{n}.lua").read_text())
@@ -438,8 +449,7 @@ def client_split(url: str, rounds: int, ops: int) -> dict:
             in_calls[0] += time.perf_counter() - t
 
     gate._send_commands = timed_send  # type: ignore[method-assign]
-    argv = list(gate._flows.eval_op("acquire", dict(ticket="t", session="s", need=PROMPT + NEW_TOKENS,
-                                                    prompt=PROMPT, protected=0, retain=1, probe=-2)).argv)
+    argv = acquire_argv(gate)
     r.function_load("#!lua name=kvgate_overhead_client\nredis.register_function("
                     "'kvgate_overhead_return', function(keys, argv) return '{}' end)\n", replace=True)
 
@@ -682,8 +692,7 @@ def recheck_cost(r: Any, gate: kvgate.Gate, node: redis.Redis) -> float:
     node.config_resetstat()
     for t in sample:
         w = json.loads(r.hget(gate.key("waiters"), t))
-        params = dict(ticket=t.decode(), session=w["s"], need=w["n"], prompt=w["p"], protected=0, retain=0,
-                      probe=-2)
+        params = acquire_params(t.decode(), w["s"], need=w["n"], prompt=w["p"])
         out = gate._eval(gate._flows.eval_op("acquire", params))
         if out["o"] != "wait":
             raise RuntimeError(f"a re-check of a queued waiter did not wait: {out}")
@@ -833,9 +842,7 @@ def quiet_handoffs(r: redis.Redis, name: str, w: int, handoffs: int) -> dict:
     gate.write_snapshot(engine(int((PROMPT + NEW_TOKENS) * 1.5 / 0.9)))
 
     def acquire(ticket: str, session: str, want: str) -> None:
-        params = dict(ticket=ticket, session=session, need=PROMPT + NEW_TOKENS, prompt=PROMPT, protected=0,
-                      retain=0, probe=-2)
-        out = gate._eval(gate._flows.eval_op("acquire", params))
+        out = gate._eval(gate._flows.eval_op("acquire", acquire_params(ticket, session)))
         if out["o"] != want:
             raise RuntimeError(f"a quiet hand-off's acquire answered {out}, not {want!r}")
 
