@@ -431,3 +431,26 @@ def test_over_commit_is_bounded_by_what_the_idle_time_could_re_prefill():
     c, g = BudgetController(), Gate(cost=0.002)
     start(c, g)
     assert c.update(g.window(idle=0.3, retained=1.0)) == pytest.approx(1 / 0.7)
+
+
+def test_the_engines_queue_time_is_read_and_decides_nothing():
+    # requests queued inside the engines, per engine on average over the window: shown in the
+    # poller's log beside idle and waste (docs/budget.md#known-limits says why the law does not
+    # act on it); a counter that went back starts the window over
+    def run(queue_s: list[float] | None) -> list:
+        c = BudgetController()
+        base = dict(wait_ms=0.0, idle_ms=0.0, tok_fresh=0, tok_reusable=0, held=1,
+                    engine_queries=0.0, engine_hits=0.0, engines=2)
+        out = []
+        for i, q in enumerate(queue_s or [None] * 3):
+            c.update(Reading(now_ms=10_000.0 * i, released=MIN_RELEASES * i, engine_queue_s=q, **base))
+            out.append((c.scale, c.last))
+        return out
+    with_queue = run([0.0, 5.0, 15.0])
+    assert [w.queue for _, w in with_queue[1:]] == [pytest.approx(0.25), pytest.approx(0.5)]
+    without = run(None)
+    assert [s for s, _ in with_queue] == [s for s, _ in without]
+    assert [w.why for _, w in with_queue[1:]] == [w.why for _, w in without[1:]]
+    assert without[-1][1].queue is None
+    went_back = run([0.0, 5.0, 1.0])
+    assert went_back[-1][1] is went_back[1][1]  # no window closed on the reading that went back

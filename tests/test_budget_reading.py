@@ -19,24 +19,26 @@ pytestmark = pytest.mark.redis_real
 
 
 def scrape(queries: float | None, hits: float | None, healthy: bool = True,
-           prefill_s: float | None = None) -> ScrapeResult:
+           prefill_s: float | None = None, queue_s: float | None = None) -> ScrapeResult:
     rank = RankMetrics(kind="vllm", dp_rank=None, capacity_tokens=10_000, prefix_cache_queries=queries,
-                       prefix_cache_hits=hits, prefill_seconds=prefill_s)
+                       prefix_cache_hits=hits, prefill_seconds=prefill_s, queue_seconds=queue_s)
     return ScrapeResult(Endpoint("http://10.0.0.1:8000", healthy=healthy),
                         metrics=EngineMetrics(kind="vllm", ranks=(rank,)))
 
 
 def test_engine_counters_sum_the_healthy_engines():
-    both = engine_counters([scrape(100, 40, prefill_s=2.0), scrape(50, 10, prefill_s=1.5)])
-    assert both == {"queries": 150, "hits": 50, "prefill_s": 3.5, "engines": 2, "capacity": 20_000}
-    # one engine does not export its cache counters, or its prefill time: that sum is unknown
+    both = engine_counters([scrape(100, 40, prefill_s=2.0, queue_s=0.5), scrape(50, 10, prefill_s=1.5, queue_s=0.25)])
+    assert both == {"queries": 150, "hits": 50, "prefill_s": 3.5, "queue_s": 0.75, "engines": 2,
+                    "capacity": 20_000}
+    # one engine does not export its cache counters, its prefill or its queue time: that sum is unknown
     assert engine_counters([scrape(100, 40), scrape(None, None)])["queries"] is None
     assert engine_counters([scrape(100, 40, prefill_s=2.0), scrape(50, 10)])["prefill_s"] is None
+    assert engine_counters([scrape(100, 40, queue_s=1.0), scrape(50, 10)])["queue_s"] is None
     failed = ScrapeResult(Endpoint("http://10.0.0.2:8000"), error="timed out")
     assert engine_counters([scrape(100, 40), failed]) is None  # not comparable this tick
     sick = ScrapeResult(Endpoint("http://10.0.0.2:8000", healthy=False), error="router reports ...")
-    assert engine_counters([scrape(100, 40), sick]) == {"queries": 100, "hits": 40, "prefill_s": None, "engines": 1,
-                                                        "capacity": 10_000}
+    assert engine_counters([scrape(100, 40), sick]) == {"queries": 100, "hits": 40, "prefill_s": None,
+                                                        "queue_s": None, "engines": 1, "capacity": 10_000}
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ def test_sglang_single_rank():
     assert (r.running_requests, r.queued_requests) == (37, 4)
     assert r.hit_rate == pytest.approx(0.8612)
     assert r.preemptions == 12  # sglang:num_retracted_requests_total (family name lost its _total)
+    assert r.queue_seconds is None  # this build exports no sglang:queue_time_seconds
 
 
 def test_sglang_tp2_aggregates_by_max_never_sum():
@@ -78,6 +79,8 @@ def test_vllm_real_text_if_recorded():
     assert r.hit_rate == pytest.approx(288 / 603)
     assert r.usage == 0.0 and r.used_tokens == 0  # idle: cached blocks count as free
     assert (r.running_requests, r.queued_requests, r.preemptions) == (0, 0, 0)
+    # vllm:request_queue_time_seconds_sum: the two requests' time in the engine's queue
+    assert r.queue_seconds == pytest.approx(5.356099995879049e-05)
 
 
 def test_untyped_counters_keep_total_suffix():

@@ -181,6 +181,28 @@ def test_prefill_time_is_exported_only_when_asked(process):
         assert promparse.parse_metrics(body).ranks[0].prefill_seconds is None
 
 
+def test_queue_time_counts_the_wait_for_the_batch_in_wall_time():
+    # sglang:queue_time_seconds (both engines export one: vLLM's request_queue_time_seconds):
+    # a request submitted while another's prefill runs waits for that iteration, in engine
+    # time x time_scale; one submitted to an idle engine waits nothing
+    from kvgate.control import promparse
+    prof = load_profile("gpu-h100-30b", **SMALL)
+    sched = RankScheduler(prof)
+    a, b = Req("a", rand_ids(31, 600), 4), Req("b", rand_ids(32, 600), 4)
+    sched.submit(a)
+    it = sched.begin_iteration()          # a's prefill: a waited nothing
+    sched.submit(b)                       # b arrives while it runs
+    sched.end_iteration(it)
+    sched.end_iteration(sched.begin_iteration())  # b's prefill starts after a's
+    assert (sched.queue_seconds, sched.queued_requests) == (pytest.approx(it.duration_s), 2)
+    with SimCluster(1, time_scale=0.001, router=False, **SMALL) as sim, client() as c:
+        url = sim.engine_urls[0]
+        gen(c, url, rand_ids(33, 600), 4)
+        body = c.get(url + "/metrics").text
+        assert metric(metrics(c, url), "sglang:queue_time_seconds_count") == 1
+        assert promparse.parse_metrics(body).ranks[0].queue_seconds == pytest.approx(0.0)
+
+
 def test_probe_is_read_only_and_agrees_with_the_engine(fresh):
     url = fresh.engine_urls[0]
     with client() as c:

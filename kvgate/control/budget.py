@@ -80,6 +80,7 @@ class Reading:
     engine_queries: float | None = None  # prompt tokens the engines looked up (sum over engines)
     engine_hits: float | None = None     # of those, found in their prefix caches
     engine_prefill_s: float | None = None  # seconds the engines spent prefilling (sum over engines)
+    engine_queue_s: float | None = None  # seconds requests queued inside the engines (sum over engines)
     engines: int = 1                     # how many engines (ranks) those sums are over
     capacity_tokens: float | None = None  # the engines' KV capacity in tokens (sum over engines)
 
@@ -94,6 +95,7 @@ class Window:
     scale_before: float
     scale_after: float
     why: str                    # "grow" | "backoff" | "relax" (bound stepped up) | "hold" | "no cache counters"
+    queue: float | None = None  # requests queued inside the engines, on average per engine
 
 
 class BudgetController:
@@ -153,7 +155,8 @@ class BudgetController:
             return Window(idle, None, None, before, 1.0, "no cache counters")
         retained = _retained(s, r)
         waste = self._waste(s, r, span)
-        window = lambda after, why: Window(idle, retained, waste, before, after, why)  # noqa: E731
+        queue = _queue(s, r, span)
+        window = lambda after, why: Window(idle, retained, waste, before, after, why, queue)  # noqa: E731
         if retained is not None and before == 1.0:
             old = self.ledger_retained
             self.ledger_retained = retained if old is None else old + EWMA * (retained - old)
@@ -224,6 +227,14 @@ class BudgetController:
         return self.token_cost * reprefilled / (span_ms / 1000.0 * max(1, r.engines))
 
 
+def _queue(s: Reading, r: Reading, span_ms: float) -> float | None:
+    """How many requests queued inside the engines over the window, on average per engine
+    (None when an engine does not export its queue time)."""
+    if None in (s.engine_queue_s, r.engine_queue_s) or span_ms <= 0:
+        return None
+    return (r.engine_queue_s - s.engine_queue_s) / (span_ms / 1000.0 * max(1, r.engines))
+
+
 def _went_back(s: Reading, r: Reading) -> bool:
     """A counter that decreased: Redis or an engine restarted; the window starts over."""
     if r.wait_ms < s.wait_ms or r.idle_ms < s.idle_ms or r.released < s.released:
@@ -231,7 +242,7 @@ def _went_back(s: Reading, r: Reading) -> bool:
     if r.tok_fresh < s.tok_fresh or r.tok_reusable < s.tok_reusable:
         return True
     for a, b in ((s.engine_queries, r.engine_queries), (s.engine_hits, r.engine_hits),
-                 (s.engine_prefill_s, r.engine_prefill_s)):
+                 (s.engine_prefill_s, r.engine_prefill_s), (s.engine_queue_s, r.engine_queue_s)):
         if a is not None and b is not None and b < a:
             return True
     return False

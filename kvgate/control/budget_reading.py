@@ -28,13 +28,13 @@ __all__ = ["BudgetReader", "engine_counters"]
 
 def engine_counters(scrapes: Sequence[ScrapeResult]) -> dict | None:
     """The engines' counters the controller reads, summed over this tick's scrapes: prefix-
-    cache lookups and hits (None when an engine does not export them), prefill seconds (None
-    when an engine does not export them), the number of engines (ranks) and their KV capacity
+    cache lookups and hits, prefill seconds and queue seconds (each None when an engine does
+    not export it), the number of engines (ranks) and their KV capacity
     in tokens (what the snapshot's ledger capacity sums). None when a
     healthy engine's scrape failed: its last numbers are older than the others'."""
-    queries = hits = prefill = capacity = 0.0
+    queries = hits = prefill = queue = capacity = 0.0
     engines = 0
-    has_cache = has_prefill = True
+    has_cache = has_prefill = has_queue = True
     for s in scrapes:
         if s.metrics is None:
             if s.endpoint.healthy:
@@ -52,8 +52,13 @@ def engine_counters(scrapes: Sequence[ScrapeResult]) -> dict | None:
                 has_prefill = False
             else:
                 prefill += r.prefill_seconds
+            if r.queue_seconds is None:
+                has_queue = False
+            else:
+                queue += r.queue_seconds
     return {"queries": queries if has_cache else None, "hits": hits if has_cache else None,
-            "prefill_s": prefill if has_prefill else None, "engines": engines, "capacity": capacity}
+            "prefill_s": prefill if has_prefill else None,
+            "queue_s": queue if has_queue else None, "engines": engines, "capacity": capacity}
 
 
 def _pct(v: float | None) -> str:
@@ -122,14 +127,16 @@ class BudgetReader:
                           released=int(num(raw["released"])), tok_fresh=int(num(raw["fresh"])),
                           tok_reusable=int(num(raw["reusable"])), held=int(raw["held"]),
                           engine_queries=eng["queries"], engine_hits=eng["hits"],
-                          engine_prefill_s=eng["prefill_s"], engines=eng["engines"],
-                          capacity_tokens=eng["capacity"])
+                          engine_prefill_s=eng["prefill_s"], engine_queue_s=eng["queue_s"],
+                          engines=eng["engines"], capacity_tokens=eng["capacity"])
         before = self.controller.last
         scale = self.controller.update(reading)
         w = self.controller.last
-        if w is not None and w is not before and (w.scale_after != w.scale_before or w.why == "relax"):
+        if w is not None and w is not before:
+            # every window, moved or not: the law's readings are what an operator checks it by
             bound = f", bound {self.controller.limit:.2f}" if w.why == "relax" else ""
-            log.info("budget scale %.2f -> %.2f (%s%s: idle %s, re-prefill %s of the engines' time, retained %s)",
-                     w.scale_before, w.scale_after, w.why, bound, _pct(w.idle_share), _pct(w.waste),
+            log.info("budget scale %.2f -> %.2f (%s%s: idle %s, re-prefill %s of the engines' time, "
+                     "engine queue %s, retained %s)", w.scale_before, w.scale_after, w.why, bound,
+                     _pct(w.idle_share), _pct(w.waste), "-" if w.queue is None else f"{w.queue:.2f}",
                      _pct(w.retained))
         return scale

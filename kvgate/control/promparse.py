@@ -58,6 +58,9 @@ S_PROMPT_TOKENS = "sglang:prompt_tokens_total"  # prompt tokens looked up (the p
 S_CACHED_TOKENS = "sglang:cached_tokens_total"  # of those, found in the radix cache (the hits)
 S_AVAILABLE = "sglang:kv_available_tokens"
 S_EVICTABLE = "sglang:kv_evictable_tokens"
+# seconds requests waited in the engine's queue before they were scheduled (histogram sums,
+# observed once per request); both engines export it
+S_QUEUE_S = "sglang:queue_time_seconds_sum"
 
 # vLLM sample names.
 V_CACHE_INFO = "vllm:cache_config_info"
@@ -68,6 +71,7 @@ V_QUEUED = "vllm:num_requests_waiting"
 V_HITS = "vllm:prefix_cache_hits_total"
 V_QUERIES = "vllm:prefix_cache_queries_total"
 V_PREEMPTIONS = "vllm:num_preemptions_total"
+V_QUEUE_S = "vllm:request_queue_time_seconds_sum"
 # both observed once per finished request: prefill seconds, and the prompt tokens it computed
 # (cached tokens excluded); their sums give seconds per uncached token
 V_PREFILL_S = "vllm:request_prefill_time_seconds_sum"
@@ -83,7 +87,7 @@ _WANTED = frozenset({S_CAPACITY, S_USED, S_USAGE, S_RUNNING, S_QUEUED, S_HIT_RAT
                      S_RETRACTED_GAUGE, S_AVAILABLE, S_EVICTABLE, S_PROMPT_TOKENS, S_CACHED_TOKENS,
                      V_CACHE_INFO, V_USAGE, V_USAGE_OLD,
                      V_RUNNING, V_QUEUED, V_HITS, V_QUERIES, V_PREEMPTIONS, V_PREFILL_S,
-                     V_PREFILL_TOKENS, SIM_PREFILL_S, SIM_PREFILL_TOKENS})
+                     V_PREFILL_TOKENS, SIM_PREFILL_S, SIM_PREFILL_TOKENS, S_QUEUE_S, V_QUEUE_S})
 
 
 # where a sample line's metric name ends: its labels, or the blank before its value
@@ -143,6 +147,7 @@ class RankMetrics:
     evictable_tokens: int | None = None
     prefill_seconds: float | None = None  # cumulative (vLLM histogram sums)
     prefill_tokens: float | None = None
+    queue_seconds: float | None = None  # cumulative (histogram sums)
     series: int = 1  # how many rank series were folded into this record
 
     def as_dict(self) -> dict:
@@ -371,6 +376,7 @@ def _build_rank(kind: str, dp: str | None, g: _Group) -> RankMetrics:
             evictable_tokens=_int_or_none(g.get(S_EVICTABLE)),
             prefill_seconds=prefill_s,
             prefill_tokens=prefill_tok,
+            queue_seconds=g.get(S_QUEUE_S),
             series=max(g.series.get(S_CAPACITY, 1), 1),
         )
     cap = g.capacity_info
@@ -399,6 +405,7 @@ def _build_rank(kind: str, dp: str | None, g: _Group) -> RankMetrics:
         preemptions=g.get(V_PREEMPTIONS),
         prefill_seconds=g.get(V_PREFILL_S),
         prefill_tokens=g.get(V_PREFILL_TOKENS),
+        queue_seconds=g.get(V_QUEUE_S),
         series=max(g.series.get(V_USAGE, 1), 1),
     )
 

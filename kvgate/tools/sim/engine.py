@@ -296,6 +296,8 @@ class SimEngine:
             "evicted_tokens": c.evicted_blocks * B,
             "prefill_computed_tokens": r.prefill_computed_tokens,
             "prefill_seconds_wall": r.prefill_seconds * self.time_scale,
+            "queue_seconds_wall": r.queue_seconds * self.time_scale,
+            "queued_requests": r.queued_requests,
             "decode_steps": r.step,
             "engine_time_s": r.clock,
         }
@@ -381,6 +383,14 @@ class SimEngine:
                  "Total number of retracted input tokens.", "retracted_input_tokens")
         per_rank("sglang:num_retracted_output_tokens_total", "counter",
                  "Total number of retracted output tokens.", "retracted_output_tokens")
+        # a histogram with its +Inf bucket only: what the poller reads is its sum
+        out.append("# HELP sglang:queue_time_seconds Histogram of queueing time in seconds.")
+        out.append("# TYPE sglang:queue_time_seconds histogram")
+        for lab, dp in rank_labels:
+            st = states[dp]
+            out.append(f'sglang:queue_time_seconds_bucket{{{lab},le="+Inf"}} {float(st["queued_requests"])!r}')
+            out.append(f"sglang:queue_time_seconds_sum{{{lab}}} {float(st['queue_seconds_wall'])!r}")
+            out.append(f"sglang:queue_time_seconds_count{{{lab}}} {float(st['queued_requests'])!r}")
         # SGLang's scheduler constants (emit_metrics_constants); vLLM's cache_config_info has no
         # SGLang counterpart
         B = self.profile.block_size

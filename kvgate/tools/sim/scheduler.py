@@ -173,6 +173,8 @@ class RankScheduler:
         self.retracted_output_tokens = 0
         self.prefill_computed_tokens = 0
         self.prefill_seconds = 0.0  # engine seconds of prefill, per request (as vLLM observes them)
+        self.queue_seconds = 0.0    # engine seconds requests waited before their first prefill
+        self.queued_requests = 0    # requests whose queue time was observed
         self._hits: Deque[Tuple[int, int]] = deque()
         self._hit_sum = 0
         self._tok_sum = 0
@@ -361,6 +363,9 @@ class RankScheduler:
             if not r.admitted:
                 r.admitted = True
                 r.cached_tokens = k * B
+                # SGLang's queue_time_seconds: observed once, when a request first leaves the queue
+                self.queue_seconds += self.clock - r.t_submit
+                self.queued_requests += 1
             r.state = PREFILL
             r.epoch += 1
             batch.append(r)
