@@ -183,18 +183,18 @@ def test_prefill_time_is_exported_only_when_asked(process):
 
 def test_queue_time_counts_the_wait_for_the_batch_in_wall_time():
     # sglang:queue_time_seconds (both engines export one: vLLM's request_queue_time_seconds):
-    # a request submitted while another's prefill runs waits for that iteration, in engine
-    # time x time_scale; one submitted to an idle engine waits nothing
+    # a request that arrives while another's prefill runs waits for the rest of that iteration,
+    # in engine time x time_scale; one submitted to an idle engine waits nothing
     from kvgate.control import promparse
     prof = load_profile("gpu-h100-30b", **SMALL)
     sched = RankScheduler(prof)
     a, b = Req("a", rand_ids(31, 600), 4), Req("b", rand_ids(32, 600), 4)
     sched.submit(a)
     it = sched.begin_iteration()          # a's prefill: a waited nothing
-    sched.submit(b)                       # b arrives while it runs
+    sched.submit(b, elapsed_s=it.duration_s / 4)  # b arrives a quarter into it
     sched.end_iteration(it)
     sched.end_iteration(sched.begin_iteration())  # b's prefill starts after a's
-    assert (sched.queue_seconds, sched.queued_requests) == (pytest.approx(it.duration_s), 2)
+    assert (sched.queue_seconds, sched.queued_requests) == (pytest.approx(0.75 * it.duration_s), 2)
     with SimCluster(1, time_scale=0.001, router=False, **SMALL) as sim, client() as c:
         url = sim.engine_urls[0]
         gen(c, url, rand_ids(33, 600), 4)

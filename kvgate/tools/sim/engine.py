@@ -52,6 +52,8 @@ class SimEngine:
         self._rid_rank: Dict[str, int] = {}
         self._open_sessions: set = set()   # ids opened with /open_session and not closed yet
         self._wake: List[Optional[asyncio.Event]] = [None] * dp_size
+        # per rank, while an iteration is slept: (monotonic time it ends, its engine seconds)
+        self._sleeping: List[Optional[tuple]] = [None] * dp_size
         self._tasks: List[asyncio.Task] = []
         self.started = False
         self.stopped = False
@@ -98,13 +100,23 @@ class SimEngine:
                 now = loop.time()
                 target = max(target, now - _MAX_DEBT_S) + it.duration_s * scale
                 delay = target - now
-                if delay > 0.0005:
-                    await asyncio.sleep(delay)
-                else:
-                    await asyncio.sleep(0)
+                self._sleeping[i] = (target, it.duration_s)
+                try:
+                    await asyncio.sleep(delay if delay > 0.0005 else 0)
+                finally:
+                    self._sleeping[i] = None
             else:
                 await asyncio.sleep(0)
             rank.end_iteration(it)
+
+    def _elapsed_in_iteration(self, i: int) -> float:
+        """Engine seconds of rank ``i``'s iteration in flight that have passed (0: none is)."""
+        sleeping = self._sleeping[i]
+        if sleeping is None:
+            return 0.0
+        end, duration = sleeping
+        remaining = max(0.0, end - time.monotonic()) / self.time_scale
+        return max(0.0, duration - remaining)
 
     def _kick(self, i: int) -> None:
         ev = self._wake[i]
@@ -159,7 +171,7 @@ class SimEngine:
                 _cb(r)
 
         r = Req(rid, input_ids, max_new_tokens, session_id=session_id, on_done=done)
-        rank.submit(r)
+        rank.submit(r, self._elapsed_in_iteration(i))
         self._rid_rank[rid] = i
         self._kick(i)
         return r

@@ -214,13 +214,15 @@ class RankScheduler:
         return self.cache.match(hashes), len(hashes)
 
     # --------------------------------------------------------------- requests
-    def submit(self, r: Req) -> None:
+    def submit(self, r: Req, elapsed_s: float = 0.0) -> None:
+        """Queue ``r``; ``elapsed_s``: the engine time of the iteration in flight that had passed
+        when it arrived (the clock moves only at an iteration's end), for its queue time."""
         if r.rid in self.by_rid:
             raise ValueError(f"duplicate rid {r.rid!r}")
         if r.session_id is not None and self.session_radix_cache:
             g = self._session_gen.get(r.session_id)
             r.session_epoch = g if g is not None else self.open_session(r.session_id)
-        r.t_submit = self.clock
+        r.t_submit = self.clock + elapsed_s
         self._seq += 1
         r.seq = self._seq
         r.state = WAITING
@@ -364,7 +366,7 @@ class RankScheduler:
                 r.admitted = True
                 r.cached_tokens = k * B
                 # SGLang's queue_time_seconds: observed once, when a request first leaves the queue
-                self.queue_seconds += self.clock - r.t_submit
+                self.queue_seconds += max(0.0, self.clock - r.t_submit)
                 self.queued_requests += 1
             r.state = PREFILL
             r.epoch += 1
