@@ -27,7 +27,8 @@ def scrape(queries: float | None, hits: float | None, healthy: bool = True,
 
 
 def test_engine_counters_sum_the_healthy_engines():
-    both = engine_counters([scrape(100, 40, prefill_s=2.0, queue_s=0.5), scrape(50, 10, prefill_s=1.5, queue_s=0.25)])
+    both = engine_counters([scrape(100, 40, prefill_s=2.0, queue_s=0.5),
+                            scrape(50, 10, prefill_s=1.5, queue_s=0.25)])
     assert both == {"queries": 150, "hits": 50, "prefill_s": 3.5, "queue_s": 0.75, "engines": 2,
                     "capacity": 20_000}
     # one engine does not export its cache counters, its prefill or its queue time: that sum is unknown

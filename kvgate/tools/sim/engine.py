@@ -399,10 +399,10 @@ class SimEngine:
         out.append("# HELP sglang:queue_time_seconds Histogram of queueing time in seconds.")
         out.append("# TYPE sglang:queue_time_seconds histogram")
         for lab, dp in rank_labels:
-            st = states[dp]
-            out.append(f'sglang:queue_time_seconds_bucket{{{lab},le="+Inf"}} {float(st["queued_requests"])!r}')
-            out.append(f"sglang:queue_time_seconds_sum{{{lab}}} {float(st['queue_seconds_wall'])!r}")
-            out.append(f"sglang:queue_time_seconds_count{{{lab}}} {float(st['queued_requests'])!r}")
+            n, total = float(states[dp]["queued_requests"]), float(states[dp]["queue_seconds_wall"])
+            out.append(f'sglang:queue_time_seconds_bucket{{{lab},le="+Inf"}} {n!r}')
+            out.append(f"sglang:queue_time_seconds_sum{{{lab}}} {total!r}")
+            out.append(f"sglang:queue_time_seconds_count{{{lab}}} {n!r}")
         # SGLang's scheduler constants (emit_metrics_constants); vLLM's cache_config_info has no
         # SGLang counterpart
         B = self.profile.block_size
