@@ -32,33 +32,25 @@ def engine_counters(scrapes: Sequence[ScrapeResult]) -> dict | None:
     not export it), the number of engines (ranks) and their KV capacity
     in tokens (what the snapshot's ledger capacity sums). None when a
     healthy engine's scrape failed: its last numbers are older than the others'."""
-    queries = hits = prefill = queue = capacity = 0.0
-    engines = 0
-    has_cache = has_prefill = has_queue = True
+    ranks = []
     for s in scrapes:
         if s.metrics is None:
             if s.endpoint.healthy:
                 return None
             continue
-        for r in s.metrics.ranks:
-            engines += 1
-            capacity += r.capacity_tokens
-            if r.prefix_cache_queries is None or r.prefix_cache_hits is None:
-                has_cache = False
-            else:
-                queries += r.prefix_cache_queries
-                hits += r.prefix_cache_hits
-            if r.prefill_seconds is None:
-                has_prefill = False
-            else:
-                prefill += r.prefill_seconds
-            if r.queue_seconds is None:
-                has_queue = False
-            else:
-                queue += r.queue_seconds
-    return {"queries": queries if has_cache else None, "hits": hits if has_cache else None,
-            "prefill_s": prefill if has_prefill else None,
-            "queue_s": queue if has_queue else None, "engines": engines, "capacity": capacity}
+        ranks.extend(s.metrics.ranks)
+
+    def total(name: str, pair: str | None = None) -> float | None:
+        # a sum over every engine, or None when one does not export it (or its pair)
+        if any(getattr(r, n) is None for r in ranks for n in (name, pair or name)):
+            return None
+        return sum((getattr(r, name) for r in ranks), 0.0)
+
+    # lookups and hits are read as a pair: one without the other says nothing
+    return {"queries": total("prefix_cache_queries", "prefix_cache_hits"),
+            "hits": total("prefix_cache_hits", "prefix_cache_queries"),
+            "prefill_s": total("prefill_seconds"), "queue_s": total("queue_seconds"),
+            "engines": len(ranks), "capacity": total("capacity_tokens")}
 
 
 def _pct(v: float | None) -> str:
