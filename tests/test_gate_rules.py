@@ -656,6 +656,7 @@ def test_residency_alone_opens_windows_only_under_pressure(backend, clock):
 
 
 def test_over_committed_ledger_revokes_the_longest_idle_windows_first(backend, clock):
+    # no engine measures its prefill cost here: the trim ends the longest idle first.
     # four windows opened a (oldest), b, c, d (youngest); released c, then d, then b: the
     # longest idle (c) is neither the youngest (d) nor the first by name (b)
     g = mkgate(backend, clock, headroom=1.0, idle_grace_s=60)
@@ -681,6 +682,47 @@ def test_over_committed_ledger_revokes_the_longest_idle_windows_first(backend, c
     g.acquire("a", prompt_tokens=800, max_new_tokens=0).release()  # 800 + 400 > 1000
     assert {k.decode() for k in g.redis.hkeys(g.key("windows"))} == {"a", "b"}
     assert ledger(g) == 1000
+
+
+@pytest.mark.parametrize("s_per_token, fifo_wait_s, ended", [
+    (1e-6, 0, "c"),   # cheap prefill: the largest idle window sends the fewest sessions back
+    (1e-2, 0, "b"),   # dear: the longest idle, whose blocks the engines' LRU evicts anyway
+    (1e-3, 0, "b"),   # c's 400 ms of re-prefill against a 1 ms wait: c stays
+    (1e-3, 10, "c"),  # the FIFO's turns wait 10 s: a queued session costs more than c's prefill
+])
+def test_trim_ends_the_idle_window_that_frees_most_room_per_cost(backend, clock, s_per_token, fifo_wait_s,
+                                                                 ended):
+    g = mkgate(backend, clock, headroom=1.0, idle_grace_s=600, max_wait_s=30)
+    snap = priced(engines(cap=1000, usage=0.1), s_per_token)
+    g.write_snapshot(snap)
+    if fifo_wait_s:  # one turn waits fifo_wait_s in the FIFO, then is granted
+        full = g.acquire("x", prompt_tokens=1000, max_new_tokens=0)
+        r = script(g, "acquire", ticket="w", session="w", need=100, probe=-2, retain=1)
+        assert (r["o"], r["r"]) == ("wait", "capacity_exhausted")
+        for _ in range(fifo_wait_s):  # it polls once a second; the poller keeps the snapshot fresh
+            clock.advance(1)
+            g.write_snapshot(snap)
+            assert script(g, "acquire", ticket="w", session="w", need=100, probe=-2, retain=1)["o"] == "wait"
+        full.release()
+        g.finish_session("x")
+        assert script(g, "acquire", ticket="w", session="w", need=100, probe=-2, retain=1)["o"] == "admit"
+        script(g, "release", ticket="w")
+        g.finish_session("w")
+        assert stat(g, "wait_granted") == 1 and stat(g, "wait_ms_sum") == fifo_wait_s * 1000
+    assert ledger(g) == 0
+    # a (the oldest window, which always stays), then b, c, d; idle the longest: b
+    size = {"a": 100, "b": 100, "c": 400, "d": 100}
+    held = {sid: g.acquire(sid, prompt_tokens=n, max_new_tokens=0) for sid, n in size.items()}
+    for sid in "abcd":
+        held[sid].release()
+        clock.advance(1)
+    g.write_snapshot(snap)
+    assert ledger(g) == 700
+    # a grows to 500 tokens: 1100 on a 1000-token pool, 100 past the ceiling. The LRU would
+    # evict b's 100 tokens, the longest idle, whichever window the gate ends
+    g.acquire("a", prompt_tokens=500, max_new_tokens=0).release()
+    assert {k.decode() for k in g.redis.hkeys(g.key("windows"))} == {"a", "b", "c", "d"} - {ended}
+    assert stat(g, "window_revoked") == 1
 
 
 def test_trim_ends_idle_windows_before_marking_held_ones(backend, clock):

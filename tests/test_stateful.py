@@ -561,10 +561,13 @@ class GateMachine(RuleBasedStateMachine):
     @rule(healthy=st.lists(st.booleans(), min_size=3, max_size=3),
           caps=st.lists(st.sampled_from([1000, 2000, 4000]), min_size=3, max_size=3),
           usage=st.one_of(st.sampled_from([0.0, 0.5, 0.84, 0.86, 0.9, 0.93, 1.0]), st.floats(0.0, 1.0)),
-          measured=st.sampled_from([None, None, 0.5, 1.0, 2.5]))
-    def write_snapshot(self, healthy, caps, usage, measured=None):
+          measured=st.sampled_from([None, None, 0.5, 1.0, 2.5]),
+          prefill=st.sampled_from([None, None, 1e-6, 1e-3, 1e-2]))
+    def write_snapshot(self, healthy, caps, usage, measured=None, prefill=None):
         pre = self.state
-        engines = [kvgate.EngineState(e, capacity_tokens=c, usage=usage, healthy=h, url=e)
+        # a measured prefill cost orders the trim's idle windows (lua/includes/windows.lua)
+        engines = [kvgate.EngineState(e, capacity_tokens=c, usage=usage, healthy=h, url=e,
+                                      prefill_s_per_token=prefill)
                    for e, c, h in zip(ENGINE_IDS, caps, healthy)]
         params = snapshot_params(engines, measured)
         out = self.call("write_snapshot", **params)
@@ -583,7 +586,7 @@ class GateMachine(RuleBasedStateMachine):
         if (self.cfg.admission and self.cfg.residency and post.window_order is not None
                 and post.fresh(self.now, int(self.cfg.staleness_s * 1000)) and limit >= len(pre.windows)):
             # an over-committed ledger (past the budget scale x the engines' capacity: hysteresis)
-            # is trimmed (idle windows longest idle first, then held ones youngest first) down to
+            # is trimmed (idle windows by room per cost, then held ones youngest first) down to
             # the ceiling (capacity x headroom x scale); the oldest window always stays. So once
             # trimming started, either what is left after the revoked windows end fits that, or
             # every window but the oldest is revoked

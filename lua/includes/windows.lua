@@ -6,7 +6,7 @@
   or joins a window in leases.lua (grant). The record's fields: docs/keys.md#window; its
   states: docs/state-machines.md#window.
 
-  KEYS used: windows, window_exp, window_order
+  KEYS used: windows, window_exp, window_order; totals (read: the FIFO's mean wait, in trim)
   Knobs read: idle_grace_ms (window_idle); residency, admission (opens_window, trim);
     high_watermark (opens_window)
 ]]
@@ -48,11 +48,42 @@ local function opens_window(retain, usage)
   return P.residency == 1 and retain == 1 and (P.admission == 1 or usage >= P.high_watermark)
 end
 
+-- the order in which the trim ends idle windows (`idle`: the longest idle first), by the room
+-- each frees per what ending it costs (docs/decisions.md#trim-order). Ending a window costs its
+-- session a wait in the FIFO when it comes back (the mean wait of the turns the FIFO has
+-- granted) and, unless the engines' LRU evicts its blocks anyway, a re-prefill of its charge
+-- (the snapshot's prefill cost). The LRU evicts the longest idle first, as many tokens as the
+-- ledger holds past the engines' capacity: ending those windows re-prefills nothing that was
+-- not lost already. Where prefill is dear this keeps the longest idle first; where it is
+-- cheap the largest windows go first, so fewer sessions queue. Without a prefill reading: the
+-- longest idle first.
+local function by_room_per_cost(snap, r, idle, oldest)
+  if snap.pst == nil then return idle end
+  local tot = redis.call("HMGET", K.totals, "wait_granted", "wait_ms_sum")
+  local granted = num(tot[1], 0)
+  local wait_ms = 1
+  if granted > 0 then wait_ms = math.max(1, num(tot[2], 0) / granted) end
+  local lost = r - snap.capacity
+  local t, cost, rank, cum = {}, {}, {}, 0
+  for i, s in ipairs(idle) do
+    local win = nil
+    if s ~= oldest then win = jget(K.windows, s) end
+    t[s], rank[s] = win and win.t or 0, i
+    cum = cum + t[s]
+    cost[s] = wait_ms
+    if cum > lost then cost[s] = wait_ms + snap.pst * 1000 * t[s] end
+  end
+  table.sort(idle, function(a, b)
+    local ra, rb = t[a] / cost[a], t[b] / cost[b]
+    if ra ~= rb then return ra > rb end
+    return rank[a] < rank[b]
+  end)
+  return idle
+end
+
 -- the ledger is over-committed (windows grew past the ceiling): revoke windows, bounded.
--- Idle windows go first, the longest idle first: a session deep in a long tool call owns the
--- blocks the engines' LRU evicts first once the pool overflows, so its window is the one whose
--- KV is lost anyway (as in evict_idle below). Then windows a running turn holds, the youngest
--- first; those end at their lease's release. The oldest window always stays.
+-- Idle windows go first, in by_room_per_cost's order. Then windows a running turn holds, the
+-- youngest first; those end at their lease's release. The oldest window always stays.
 local function trim(snap, limit)
   if P.admission ~= 1 or P.residency ~= 1 or not snap.fresh then return 0 end
   -- hysteresis: windows may grow past the ceiling (rules 5 and 7); only when they outgrow
@@ -65,7 +96,7 @@ local function trim(snap, limit)
   local n = 0
   local oldest = redis.call("ZRANGE", K.window_order, 0, 0)[1]
   -- window_exp holds idle windows only, scored by grace expiry: the earliest was released first
-  local order = redis.call("ZRANGE", K.window_exp, 0, limit - 1)
+  local order = by_room_per_cost(snap, r, redis.call("ZRANGE", K.window_exp, 0, limit - 1), oldest)
   for _, s in ipairs(redis.call("ZREVRANGE", K.window_order, 0, limit - 1)) do
     order[#order + 1] = s
   end
