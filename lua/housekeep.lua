@@ -1,7 +1,7 @@
 --[[
   housekeep.lua: bounded maintenance, run by the poller every tick and by anyone who wants
   it: reclaims expired leases (TTL), ends expired idle windows, drops dead waiters, trims an
-  over-committed ledger (idle windows longest idle first), then advances the FIFO.
+  over-committed ledger (idle windows first, by room per cost), then advances the FIFO.
 
   KEYS used: ledger, snapshot, fifo, waiters, alive, session_waiter, leases, lease_exp, windows,
     window_exp, totals, window_order, preempted, prefixes
