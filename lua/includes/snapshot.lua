@@ -1,7 +1,7 @@
 --[[
   snapshot.lua: the latest capacity snapshot as the rules read it (fresh, usage, capacity, the
-  budget scale in use, the ceiling and the measured prefill cost) and the fit test of rule 6 (block_reason). The poller
-  writes the snapshot (write_snapshot.lua).
+  budget scale in use, the ceiling and the measured prefill cost) and the fit test of rule 6
+  (block_reason). The poller writes the snapshot (write_snapshot.lua).
 
   KEYS used: snapshot
   Knobs read: staleness_ms, budget_scale, headroom (snapshot); admission, pressure_threshold,
