@@ -1,7 +1,7 @@
 --[[
   snapshot.lua: the latest capacity snapshot as the rules read it (fresh, usage, capacity, the
-  budget scale in use, the ceiling and the measured prefill cost) and the fit test of rule 6
-  (block_reason). The poller writes the snapshot (write_snapshot.lua).
+  budget scale in use and the ceiling) and the fit test of rule 6 (block_reason). The poller
+  writes the snapshot (write_snapshot.lua).
 
   KEYS used: snapshot
   Knobs read: staleness_ms, budget_scale, headroom (snapshot); admission, pressure_threshold,
@@ -10,21 +10,19 @@
 --@include common
 
 -- the latest snapshot: fresh (bool), usage (0..1), capacity (tokens), nh (healthy engines),
--- scale (the budget scale in use), ceiling (tokens: capacity x headroom x scale) and pst (the
--- slowest engine's measured prefill seconds per uncached token; nil when none measures it).
+-- scale (the budget scale in use) and ceiling (tokens: capacity x headroom x scale).
 -- The budget scale is how far the held sessions may over-commit the pool (docs/budget.md):
 -- the caller's fixed budget_scale when it sets one, else the one the poller's controller
 -- measured, while that is fresher than staleness; else 1, the ledger of the seeds.
 local function snapshot()
   local v = redis.call("HMGET", K.snapshot, "ts_ms", "usage", "capacity", "n_healthy",
-    "budget_scale", "budget_ts_ms", "prefill_s_per_token")
+    "budget_scale", "budget_ts_ms")
   local ts = tonumber(v[1])
   local s = { fresh = false, usage = num(v[2], 0), capacity = num(v[3], 0), ceiling = 0,
     nh = num(v[4], 0), scale = 1 }
   if ts ~= nil and s.nh > 0 and (NOW - ts) <= P.staleness_ms then
     s.fresh = true
   end
-  if num(v[7], -1) >= 0 then s.pst = tonumber(v[7]) end
   if P.budget_scale > 0 then
     s.scale = P.budget_scale
   else

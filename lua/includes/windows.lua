@@ -6,7 +6,7 @@
   or joins a window in leases.lua (grant). The record's fields: docs/keys.md#window; its
   states: docs/state-machines.md#window.
 
-  KEYS used: windows, window_exp, window_order; totals (read: the FIFO's mean wait, in trim)
+  KEYS used: windows, window_exp, window_order; totals and snapshot (read by the trim's order)
   Knobs read: idle_grace_ms (window_idle); residency, admission (opens_window, trim);
     high_watermark (opens_window)
 ]]
@@ -56,9 +56,12 @@ end
 -- ledger holds past the engines' capacity: ending those windows re-prefills nothing that was
 -- not lost already. Where prefill is dear this keeps the longest idle first; where it is
 -- cheap the largest windows go first, so fewer sessions queue. Without a prefill reading: the
--- longest idle first.
-local function by_room_per_cost(snap, r, idle, oldest)
-  if snap.pst == nil then return idle end
+-- longest idle first. `win_of`: the idle windows' records, as trim read them.
+local function by_room_per_cost(snap, r, idle, win_of)
+  -- read here, not in snapshot(): only a trim that revokes needs it, and snapshot() runs on
+  -- every call
+  local pst = num(redis.call("HGET", K.snapshot, "prefill_s_per_token"), -1)
+  if pst < 0 then return idle end
   local tot = redis.call("HMGET", K.totals, "wait_granted", "wait_ms_sum")
   local granted = num(tot[1], 0)
   local wait_ms = 1
@@ -66,12 +69,11 @@ local function by_room_per_cost(snap, r, idle, oldest)
   local lost = r - snap.capacity
   local t, cost, rank, cum = {}, {}, {}, 0
   for i, s in ipairs(idle) do
-    local win = nil
-    if s ~= oldest then win = jget(K.windows, s) end
+    local win = win_of[s]
     t[s], rank[s] = win and win.t or 0, i
     cum = cum + t[s]
     cost[s] = wait_ms
-    if cum > lost then cost[s] = wait_ms + snap.pst * 1000 * t[s] end
+    if cum > lost then cost[s] = wait_ms + pst * 1000 * t[s] end
   end
   table.sort(idle, function(a, b)
     local ra, rb = t[a] / cost[a], t[b] / cost[b]
@@ -95,8 +97,12 @@ local function trim(snap, limit)
   local excess = r - snap.ceiling
   local n = 0
   local oldest = redis.call("ZRANGE", K.window_order, 0, 0)[1]
-  -- window_exp holds idle windows only, scored by grace expiry: the earliest was released first
-  local order = by_room_per_cost(snap, r, redis.call("ZRANGE", K.window_exp, 0, limit - 1), oldest)
+  -- window_exp holds idle windows only, scored by grace expiry: the earliest was released first.
+  -- Each is read once, here (false: the oldest, which always stays, or none)
+  local idle = redis.call("ZRANGE", K.window_exp, 0, limit - 1)
+  local win_of = {}
+  for _, s in ipairs(idle) do win_of[s] = s ~= oldest and jget(K.windows, s) or false end
+  local order = by_room_per_cost(snap, r, idle, win_of)
   for _, s in ipairs(redis.call("ZREVRANGE", K.window_order, 0, limit - 1)) do
     order[#order + 1] = s
   end
@@ -105,9 +111,13 @@ local function trim(snap, limit)
     -- the oldest window always stays: revoking the last session cannot make room for anyone
     -- (an idle window is listed twice; once ended, its second listing finds nothing)
     local win = nil
-    if s ~= oldest then win = jget(K.windows, s) end
+    if s ~= oldest then
+      win = win_of[s]
+      if win == nil then win = jget(K.windows, s) end
+    end
     if win and win.h == 0 then
       end_window(s, win)
+      win_of[s] = false
       stat("window_revoked")
       excess = excess - win.t
       n = n + 1
