@@ -6,7 +6,7 @@
   or joins a window in leases.lua (grant). The record's fields: docs/keys.md#window; its
   states: docs/state-machines.md#window.
 
-  KEYS used: windows, window_exp, window_order; totals and snapshot (read by the trim's order)
+  KEYS used: windows, window_exp, window_order; totals, snapshot (read by the trim's order)
   Knobs read: idle_grace_ms (window_idle); residency, admission (opens_window, trim);
     high_watermark (opens_window)
 ]]
